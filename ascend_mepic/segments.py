@@ -1,0 +1,248 @@
+"""Segments and the canonical, block-aligned MEPIC layout.
+
+A request is an ordered list of segments: ``prompt`` (request-specific) or ``chunk`` (reusable,
+immutable). For block size B the layout pads every chunk at the *front* to whole blocks, so it ends
+on a block boundary and every block after its first is full and identical in every request (those
+are the shareable canonical blocks). Every prompt segment but the last is padded at the *back*; the
+last one is not padded, so decoding continues right after it.
+
+Logical positions count real tokens only: a real token's position (used for RoPE) equals its
+position in the unsegmented prompt. Pads have no position and are never attended to.
+
+This module holds no tensors and no vLLM state: it is pure scheduling-path metadata.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+# Stored in pad slots of vLLM's token ids. Its value never matters: pads are masked everywhere.
+DEFAULT_PAD_TOKEN_ID = 0
+
+# Key under SamplingParams.extra_args carrying [[kind, num_real_tokens], ...] for a padded prompt.
+EXTRA_ARGS_KEY = "mepic_segments"
+
+
+class LayoutError(ValueError):
+    """A segment list or padded prompt that cannot form a valid MEPIC layout."""
+
+
+class SegmentKind(str, enum.Enum):
+    PROMPT = "prompt"
+    CHUNK = "chunk"
+
+
+class BlockKind(str, enum.Enum):
+    PROMPT = "prompt"
+    CHUNK_FIRST = "chunk-first"
+    CHUNK_SHARED = "chunk-shared"
+
+
+@dataclass(frozen=True)
+class Segment:
+    kind: SegmentKind
+    token_ids: tuple[int, ...]
+
+    @classmethod
+    def prompt(cls, token_ids: Sequence[int]) -> Segment:
+        return cls(SegmentKind.PROMPT, tuple(token_ids))
+
+    @classmethod
+    def chunk(cls, token_ids: Sequence[int]) -> Segment:
+        return cls(SegmentKind.CHUNK, tuple(token_ids))
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One block of the padded layout.
+
+    Real tokens occupy slots ``[valid_start, valid_end)``; ``first_position`` is the logical
+    position of the token in slot ``valid_start``.
+    """
+
+    index: int
+    kind: BlockKind
+    segment: int
+    valid_start: int
+    valid_end: int
+    first_position: int
+
+    @property
+    def num_valid(self) -> int:
+        return self.valid_end - self.valid_start
+
+
+@dataclass(frozen=True)
+class SegmentSpan:
+    """Where one segment sits in the padded layout."""
+
+    segment: int
+    kind: SegmentKind
+    first_block: int
+    num_blocks: int
+    pad: int
+    first_position: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The canonical padded layout of one request's prompt."""
+
+    block_size: int
+    segments: tuple[Segment, ...]
+    spans: tuple[SegmentSpan, ...]
+    blocks: tuple[BlockSpec, ...]
+
+    @property
+    def num_real_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.segments)
+
+    @property
+    def num_padded_tokens(self) -> int:
+        """Length of the padded prompt (the last block may be partial)."""
+        last = self.blocks[-1]
+        return last.index * self.block_size + last.valid_end
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @cached_property
+    def chunk_spans(self) -> tuple[SegmentSpan, ...]:
+        return tuple(s for s in self.spans if s.kind is SegmentKind.CHUNK)
+
+    def chunk_tokens(self, span: SegmentSpan) -> tuple[int, ...]:
+        return self.segments[span.segment].token_ids
+
+    def padded_token_ids(self, pad_token_id: int = DEFAULT_PAD_TOKEN_ID) -> list[int]:
+        """The token ids vLLM stores for this request: real tokens with pads in pad slots."""
+        out: list[int] = []
+        for span, seg in zip(self.spans, self.segments, strict=False):
+            if span.kind is SegmentKind.CHUNK:
+                out.extend([pad_token_id] * span.pad)
+                out.extend(seg.token_ids)
+            else:
+                out.extend(seg.token_ids)
+                out.extend([pad_token_id] * span.pad)
+        return out
+
+    def slot_positions(self) -> list[int]:
+        """Logical position per padded slot, -1 for pads (for tests, oracles and the runner)."""
+        out: list[int] = []
+        for spec in self.blocks:
+            width = self.block_size if spec.index < self.num_blocks - 1 else spec.valid_end
+            for slot in range(width):
+                if spec.valid_start <= slot < spec.valid_end:
+                    out.append(spec.first_position + slot - spec.valid_start)
+                else:
+                    out.append(-1)
+        return out
+
+    def segment_lengths(self) -> list[list]:
+        """The compact description that travels in ``extra_args[EXTRA_ARGS_KEY]``."""
+        return [[s.kind.value, len(s.token_ids)] for s in self.segments]
+
+
+def build_layout(segments: Sequence[Segment], block_size: int) -> Layout:
+    """Lay segments out canonically for ``block_size``; raises LayoutError on invalid input."""
+    if block_size <= 0:
+        raise LayoutError(f"block size must be positive, got {block_size}")
+    if not segments:
+        raise LayoutError("a request needs at least one segment")
+    last = len(segments) - 1
+    if segments[last].kind is not SegmentKind.PROMPT:
+        raise LayoutError(
+            "the last segment must be a prompt segment (the request-specific question); "
+            "a trailing chunk would have to be recomputed anyway"
+        )
+    spans: list[SegmentSpan] = []
+    blocks: list[BlockSpec] = []
+    position = 0
+    for i, seg in enumerate(segments):
+        n = len(seg.token_ids)
+        if n == 0:
+            raise LayoutError(f"segment {i} ({seg.kind.value}) is empty")
+        first_block = len(blocks)
+        if seg.kind is SegmentKind.CHUNK:
+            num_blocks = -(-n // block_size)
+            pad = num_blocks * block_size - n
+            blocks.append(
+                BlockSpec(first_block, BlockKind.CHUNK_FIRST, i, pad, block_size, position)
+            )
+            pos = position + block_size - pad
+            for b in range(1, num_blocks):
+                blocks.append(
+                    BlockSpec(first_block + b, BlockKind.CHUNK_SHARED, i, 0, block_size, pos)
+                )
+                pos += block_size
+        else:
+            num_blocks = -(-n // block_size)
+            pad = num_blocks * block_size - n if i < last else 0
+            for b in range(num_blocks):
+                start = b * block_size
+                valid_end = min(block_size, n - start)
+                blocks.append(
+                    BlockSpec(first_block + b, BlockKind.PROMPT, i, 0, valid_end, position + start)
+                )
+        spans.append(SegmentSpan(i, seg.kind, first_block, num_blocks, pad, position, n))
+        position += n
+    return Layout(block_size, tuple(segments), tuple(spans), tuple(blocks))
+
+
+def parse_segment_lengths(raw: object) -> list[tuple[SegmentKind, int]]:
+    """Validate the ``extra_args`` description ``[[kind, num_real_tokens], ...]``."""
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise LayoutError(f"{EXTRA_ARGS_KEY} must be a non-empty list of [kind, length] pairs")
+    out: list[tuple[SegmentKind, int]] = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise LayoutError(f"{EXTRA_ARGS_KEY}[{i}] must be a [kind, length] pair, got {item!r}")
+        kind, length = item
+        try:
+            seg_kind = SegmentKind(kind)
+        except ValueError:
+            raise LayoutError(
+                f"{EXTRA_ARGS_KEY}[{i}] kind must be 'prompt' or 'chunk', got {kind!r}"
+            ) from None
+        if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+            raise LayoutError(f"{EXTRA_ARGS_KEY}[{i}] length must be an int >= 0, got {length!r}")
+        out.append((seg_kind, length))
+    return out
+
+
+def padded_length(lengths: Sequence[tuple[SegmentKind, int]], block_size: int) -> int:
+    """Padded prompt length implied by segment lengths (the last segment is unpadded)."""
+    total = 0
+    for i, (_kind, n) in enumerate(lengths):
+        total += n if i == len(lengths) - 1 else -(-n // block_size) * block_size
+    return total
+
+
+def layout_from_padded(
+    padded_token_ids: Sequence[int], segment_lengths: object, block_size: int
+) -> Layout:
+    """Rebuild and validate a layout from vLLM's (padded) prompt tokens plus the segment lengths.
+
+    This is how the scheduler recovers a request's segments: the API layer sends padded token
+    ids and ``extra_args[EXTRA_ARGS_KEY]``.
+    """
+    lengths = parse_segment_lengths(segment_lengths)
+    expected = padded_length(lengths, block_size)
+    if expected != len(padded_token_ids):
+        raise LayoutError(
+            f"prompt has {len(padded_token_ids)} tokens but segments {segment_lengths!r} "
+            f"need {expected} padded tokens at block size {block_size}"
+        )
+    segments: list[Segment] = []
+    offset = 0
+    for i, (kind, n) in enumerate(lengths):
+        width = n if i == len(lengths) - 1 else -(-n // block_size) * block_size
+        piece = padded_token_ids[offset : offset + width]
+        real = piece[width - n :] if kind is SegmentKind.CHUNK else piece[:n]
+        segments.append(Segment(kind, tuple(real)))
+        offset += width
+    return build_layout(segments, block_size)

