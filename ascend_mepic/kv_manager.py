@@ -486,7 +486,7 @@ class MepicKVCacheManager(KVCacheManager):
         """Every usable block in exactly one category (they add up to the pool size minus one)."""
         pool = self.block_pool
         prefix_cached_free = sum(
-            1 for bid in pool.cached_block_hashes_by_block if pool.blocks[bid].ref_cnt == 0
+            1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None and not b.is_null
         )
         referenced_chunk = self.chunk_cache.num_blocks(referenced=True)
         scratch = sum(len(st.scratch) for st in self._states.values())

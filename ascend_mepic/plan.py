@@ -56,6 +56,8 @@ class RequestPlan:
 
     @property
     def num_reused_tokens(self) -> int:
-        return self.layout.num_real_tokens - sum(
-            self.layout.blocks[i].num_valid for i in self.compute_blocks
-        )
+        """Real prompt tokens whose KV came from the cache (prefix hits or resident chunks)."""
+        bs = self.layout.block_size
+        in_context = sum(self.layout.blocks[i].num_valid for i in self.compute_blocks)
+        compiled_shared = sum(len(c.token_ids) - (bs - c.pad) for c in self.compiles)
+        return self.layout.num_real_tokens - in_context - compiled_shared
