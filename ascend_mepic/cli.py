@@ -1,0 +1,102 @@
+"""``ascend-mepic``: prepare models, make traces, and plan KV capacity with kvsim."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _tokenizer(name: str | None) -> Any:
+    if name is None:
+        return None
+    from transformers import AutoTokenizer
+
+    from ascend_mepic.prepare import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(name)))
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from ascend_mepic.prepare import prepare_smollm2, prepare_tiny_llama
+
+    targets = {"smollm2": prepare_smollm2, "tiny": prepare_tiny_llama}
+    names = list(targets) if args.model == "all" else [args.model]
+    for name in names:
+        print(f"{name}: {targets[name](force=args.force)}")
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from ascend_mepic.trace import squad_trace
+
+    tok = _tokenizer(args.tokenizer)
+    for line in squad_trace(
+        args.requests, args.qps, args.chunks, args.seed, tok, args.output_tokens
+    ):
+        sys.stdout.write(json.dumps(line) + "\n")
+    return 0
+
+
+def cmd_kvsim(args: argparse.Namespace) -> int:
+    from ascend_mepic.kvsim import PLACEMENTS, format_table, parse_trace, simulate
+
+    tok = _tokenizer(args.tokenizer)
+    with open(args.trace, encoding="utf-8") as f:
+        trace = parse_trace(f, tok)
+    placements = PLACEMENTS if args.placement == "all" else (args.placement,)
+    results = [simulate(trace, p, args.num_blocks, args.block_size) for p in placements]
+    print(format_table(results))
+    if args.json:
+        out: Any = results[0] if len(results) == 1 else results
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ascend-mepic", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    pre = sub.add_parser("prepare", help="build the bundled model folders (idempotent)")
+    pre.add_argument("--model", choices=["smollm2", "tiny", "all"], default="all")
+    pre.add_argument("--force", action="store_true", help="rebuild even if present")
+    pre.set_defaults(func=cmd_prepare)
+
+    tr = sub.add_parser("trace", help="write a workload trace (JSONL) to stdout")
+    tr_sub = tr.add_subparsers(dest="dataset", required=True)
+    sq = tr_sub.add_parser("squad", help="SQuAD v2: K paragraphs per request as chunks")
+    sq.add_argument("--requests", type=int, default=200)
+    sq.add_argument("--qps", type=float, default=4.0)
+    sq.add_argument("--chunks", type=int, default=4)
+    sq.add_argument("--seed", type=int, default=0)
+    sq.add_argument("--output-tokens", type=int, default=16)
+    sq.add_argument("--tokenizer", help="smollm2, tiny or a model folder (else text segments)")
+    sq.set_defaults(func=cmd_trace)
+
+    ks = sub.add_parser("kvsim", help="trace-driven KV planner over the real block pool")
+    ks.add_argument("trace", help="JSONL trace")
+    ks.add_argument("--block-size", type=int, default=16)
+    ks.add_argument("--num-blocks", type=int, default=4096)
+    ks.add_argument("--placement", choices=["mepic", "private", "prefix", "all"], default="all")
+    ks.add_argument("--tokenizer", help="needed when the trace has text segments")
+    ks.add_argument("--json", help="write the result JSON here (a list for --placement all)")
+    ks.set_defaults(func=cmd_kvsim)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"ascend-mepic: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""MEPIC's settings, read from vLLM's ``--additional-config '{"mepic": {...}}'``.
+
+This follows the convention vllm-ascend uses for its own options. With no ``mepic`` key, or with
+``"enabled": false``, nothing of vLLM changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ascend_mepic.markers import DEFAULT_BEGIN, DEFAULT_END
+from ascend_mepic.segments import DEFAULT_PAD_TOKEN_ID
+
+
+@dataclass(frozen=True)
+class MepicConfig:
+    enabled: bool = True
+    pad_token_id: int = DEFAULT_PAD_TOKEN_ID
+    chunk_begin: str = DEFAULT_BEGIN
+    chunk_end: str = DEFAULT_END
+
+    @classmethod
+    def from_additional_config(cls, additional: dict[str, Any] | None) -> MepicConfig:
+        raw = (additional or {}).get("mepic")
+        if raw is None:
+            return cls(enabled=False)
+        if not isinstance(raw, dict):
+            raise ValueError(f'additional_config["mepic"] must be an object, got {raw!r}')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown MEPIC option(s) {unknown}; known: {sorted(known)}")
+        return cls(**raw)

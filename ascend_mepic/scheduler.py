@@ -1,0 +1,106 @@
+"""MepicScheduler: vLLM's scheduler with the chunk-aware KV manager swapped in.
+
+Install with ``--scheduler-cls ascend_mepic.scheduler.MepicScheduler`` and turn MEPIC on with
+``--additional-config '{"mepic": {}}'``. vLLM 0.32 builds its ``KVCacheManager`` inside
+``Scheduler.__init__`` with no hook to choose another class, so this subclass replaces it right
+after construction, before any block is allocated. With MEPIC off it is stock vLLM's scheduler.
+
+Requests carrying ``extra_args["mepic_segments"]`` are validated when they arrive; a malformed
+layout or one that can never fit the KV pool finishes at once with ``FINISHED_ERROR`` and a logged
+reason, before anything is allocated, and never disturbs other requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import Request, RequestStatus
+
+from ascend_mepic.config import MepicConfig
+from ascend_mepic.identity import model_fingerprint
+from ascend_mepic.kv_manager import MepicKVCacheManager
+from ascend_mepic.segments import LayoutError
+
+logger = logging.getLogger(__name__)
+
+
+class MepicScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mepic_config = MepicConfig.from_additional_config(
+            self.vllm_config.additional_config
+        )
+        self.mepic_errors: dict[str, tuple[int, str]] = {}  # request id -> (client, reason)
+        if not self.mepic_config.enabled:
+            return
+        if self.connector is not None:
+            raise ValueError("MEPIC does not support KV connectors yet; drop --kv-transfer-config")
+        old = self.kv_cache_manager
+        model = self.vllm_config.model_config
+        self.kv_cache_manager = MepicKVCacheManager(
+            kv_cache_config=old.kv_cache_config,
+            max_model_len=old.max_model_len,
+            max_in_flight_tokens=self.vllm_config.max_in_flight_tokens,
+            enable_caching=old.enable_caching,
+            use_eagle=old.use_eagle,
+            num_prefill_lookahead=self.num_prefill_lookahead,
+            dcp_world_size=self.dcp_world_size,
+            log_stats=old.log_stats,
+            enable_kv_cache_events=old.enable_kv_cache_events,
+            scheduler_block_size=self.block_size,
+            hash_block_size=old.block_pool.hash_block_size,
+            metrics_collector=old.metrics_collector,
+            watermark=self.scheduler_config.watermark,
+            hash_fn=get_hash_fn_by_name(self.cache_config.prefix_caching_hash_algo),
+            model_fingerprint=model_fingerprint(model.model, str(model.dtype), model.revision),
+        )
+        logger.info(
+            "MEPIC scheduling path on: block size %d, %d KV blocks",
+            self.block_size,
+            old.kv_cache_config.num_blocks,
+        )
+
+    @property
+    def mepic_manager(self) -> MepicKVCacheManager | None:
+        m = self.kv_cache_manager
+        return m if isinstance(m, MepicKVCacheManager) else None
+
+    def add_request(self, request: Request) -> None:
+        manager = self.mepic_manager
+        if manager is None or request.request_id in self.requests:
+            super().add_request(request)
+            return
+        try:
+            manager.track(request)
+        except (LayoutError, ValueError) as e:
+            logger.warning("MEPIC rejected request %s: %s", request.request_id, e)
+            super().add_request(request)
+            self.mepic_errors[request.request_id] = (request.client_index, str(e))
+            manager.forget(request.request_id)
+            self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+            return
+        super().add_request(request)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.mepic_errors:
+            self._emit_rejections(outputs)
+        return outputs
+
+    def _emit_rejections(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        errors, self.mepic_errors = self.mepic_errors, {}
+        for request_id, (client_index, _reason) in errors.items():
+            outputs.setdefault(client_index, EngineCoreOutputs()).outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=[],
+                    finish_reason=RequestStatus.get_finished_reason(
+                        RequestStatus.FINISHED_ERROR
+                    ),
+                )
+            )
