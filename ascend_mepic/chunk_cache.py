@@ -176,4 +176,3 @@ class ChunkCache:
     @property
     def pending(self) -> list[ChunkEntry]:
         return list(self._pending)
-

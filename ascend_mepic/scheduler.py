@@ -32,9 +32,7 @@ logger = logging.getLogger(__name__)
 class MepicScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.mepic_config = MepicConfig.from_additional_config(
-            self.vllm_config.additional_config
-        )
+        self.mepic_config = MepicConfig.from_additional_config(self.vllm_config.additional_config)
         self.mepic_errors: dict[str, tuple[int, str]] = {}  # request id -> (client, reason)
         if not self.mepic_config.enabled:
             return
@@ -99,8 +97,6 @@ class MepicScheduler(Scheduler):
                 EngineCoreOutput(
                     request_id=request_id,
                     new_token_ids=[],
-                    finish_reason=RequestStatus.get_finished_reason(
-                        RequestStatus.FINISHED_ERROR
-                    ),
+                    finish_reason=RequestStatus.get_finished_reason(RequestStatus.FINISHED_ERROR),
                 )
             )
