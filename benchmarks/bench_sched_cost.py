@@ -2,8 +2,8 @@
 
 256 concurrent SQuAD-shaped requests (a shared system prompt, 4 of 40 documents as chunks, a
 question). Measures, in one run and on the same requests: the arrival and admission of all 256
-(request creation with its block hashes, prefix lookup, allocation) and decode steps (one token for each of the 256 requests). Prints the per-step
-times and their ratio; asserts nothing about time.
+(request creation with its block hashes, prefix lookup, allocation) and decode steps (one token
+for each of the 256 requests). Prints the per-step times and their ratio; asserts nothing.
 """
 
 from __future__ import annotations
