@@ -299,3 +299,26 @@ def test_randomized_operations_never_leak_or_double_free(seed):
     # Every block is free or cached (idle chunk / prefix-cached), nothing else.
     cats = m.block_categories()
     assert cats["free"] + cats["prefix_cached"] + cats["chunk_shared_idle"] == 47
+
+
+def test_free_queue_including_cached_prefix_blocks_goes_before_idle_chunks():
+    """Documented order: vLLM's free queue (its cached prefix blocks in its own LRU) is used up
+    before any idle chunk is evicted."""
+    m = build_manager("mepic", 16, B)  # 15 usable blocks
+    r = make_request(
+        "r", [Segment.prompt(range(1, 2 * B + 1)), chunk(1, 3 * B), Segment.prompt([5])], B
+    )
+    admit(m, r)
+    m.new_step_starts()
+    finish(m, r)
+    cats = m.block_categories()
+    assert cats["chunk_shared_idle"] == 2 and cats["prefix_cached"] >= 2
+    free = m.block_pool.get_num_free_blocks()  # includes the cached prefix blocks
+    fill = make_request("fill", [Segment.prompt(range(100, 100 + free * B - 1))], B)
+    admit(m, fill)
+    assert m.chunk_cache.stats.evictions == 0  # prefix blocks were reused, chunk kept
+    assert m.block_categories()["prefix_cached"] == 0
+    more = make_request("more", [Segment.prompt(range(200, 200 + B))], B)
+    admit(m, more)
+    assert m.chunk_cache.stats.evictions == 1  # only now the idle chunk goes, whole
+    check_conservation(m)
