@@ -1,0 +1,121 @@
+"""MepicScheduler inside a real VllmConfig (tiny Llama), driven through schedule() calls."""
+
+import pytest
+import torch
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from ascend_mepic.kv_manager import MepicKVCacheManager
+from ascend_mepic.prepare import prepare_tiny_llama
+from ascend_mepic.scheduler import MepicScheduler
+from ascend_mepic.segments import EXTRA_ARGS_KEY, Segment, build_layout
+
+B = 32
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return prepare_tiny_llama(tmp_path_factory.mktemp("models") / "tiny")
+
+
+def make_scheduler(model_dir, additional_config, num_blocks=64):
+    args = EngineArgs(
+        model=str(model_dir),
+        dtype="float32",
+        block_size=B,
+        max_model_len=1024,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        scheduler_cls="ascend_mepic.scheduler.MepicScheduler",
+        additional_config=additional_config,
+    )
+    config = args.create_engine_config()
+    spec = FullAttentionSpec(block_size=B, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["model.layers.0.self_attn"], spec)])
+    config.cache_config.num_gpu_blocks = num_blocks
+    sched = MepicScheduler(
+        vllm_config=config,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=B,
+        hash_block_size=B,
+        log_stats=True,
+    )
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return sched, get_request_block_hasher(B, hash_fn)
+
+
+def mepic_request(rid, segments, hasher, salt=None, extra=None):
+    layout = build_layout(segments, B)
+    params = SamplingParams(
+        max_tokens=4, extra_args=extra or {EXTRA_ARGS_KEY: layout.segment_lengths()}
+    )
+    return Request(
+        rid, layout.padded_token_ids(), params, None, cache_salt=salt, block_hasher=hasher
+    )
+
+
+def test_mepic_off_is_stock_vllm(tiny_model):
+    sched, _ = make_scheduler(tiny_model, {})
+    assert type(sched.kv_cache_manager) is KVCacheManager
+    assert isinstance(sched, Scheduler) and not sched.mepic_config.enabled
+
+
+def test_unknown_option_is_an_error(tiny_model):
+    with pytest.raises(ValueError, match="unknown MEPIC option"):
+        make_scheduler(tiny_model, {"mepic": {"blocksize": 3}})
+
+
+def test_schedule_shares_chunk_blocks_and_rejects_bad_requests(tiny_model):
+    sched, hasher = make_scheduler(tiny_model, {"mepic": {}}, num_blocks=24)
+    assert isinstance(sched.kv_cache_manager, MepicKVCacheManager)
+    doc = Segment.chunk(range(10, 110))  # 4 blocks at B=32: 3 canonical
+    a = mepic_request("a", [Segment.prompt([1, 5, 6]), doc, Segment.prompt([7, 8])], hasher)
+    b = mepic_request("b", [Segment.prompt(range(20, 60)), doc, Segment.prompt([9])], hasher)
+    bad = mepic_request(
+        "bad",
+        [Segment.prompt([1]), Segment.prompt([2])],
+        hasher,
+        extra={EXTRA_ARGS_KEY: [["chunk", 5], ["prompt", 7]]},
+    )
+    huge = mepic_request(
+        "huge", [Segment.prompt([1]), Segment.chunk(range(5, 900)), Segment.prompt([2])], hasher
+    )
+    for r in (a, b, bad, huge):
+        sched.add_request(r)
+    assert bad.status is RequestStatus.FINISHED_ERROR
+    assert huge.status is RequestStatus.FINISHED_ERROR
+    out = sched.schedule()
+    tables = {r.req_id: r.block_ids[0] for r in out.scheduled_new_reqs}
+    assert set(tables) == {"a", "b"}
+    sa = sched.kv_cache_manager.get_plan("a").layout.spans[1]
+    sb = sched.kv_cache_manager.get_plan("b").layout.spans[1]
+    shared_a = tables["a"][sa.first_block + 1 : sa.first_block + 4]
+    assert shared_a == tables["b"][sb.first_block + 1 : sb.first_block + 4]
+    assert tables["a"][sa.first_block] != tables["b"][sb.first_block]
+    # The rejected requests come back to the client as errors; the others keep running.
+    ran = ModelRunnerOutput(
+        req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[[3], [4]]
+    )
+    outputs = sched.update_from_output(out, ran)
+    errors = {o.request_id for eco in outputs.values() for o in eco.outputs}
+    assert {"bad", "huge"} <= errors and {"a", "b"} <= set(sched.requests)
+    # Next step: the compile has run, the chunk is READY, a third request reuses it.
+    c = mepic_request("c", [Segment.prompt([2, 3]), doc, Segment.prompt([4])], hasher)
+    sched.add_request(c)
+    out = sched.schedule()
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["c"]
+    assert sched.kv_cache_manager.get_plan("c").compiles == ()
+    assert sched.kv_cache_manager.metrics()["chunk_misses"] == 1
+    sched.finish_requests(["a", "b", "c"], RequestStatus.FINISHED_ABORTED)
+    assert sched.kv_cache_manager.num_used_blocks() == 0
+    assert sched.kv_cache_manager.block_categories()["chunk_shared_idle"] == 3
