@@ -31,7 +31,7 @@ test: setup lint
 demo: setup
 	$(VENV)/bin/ascend-mepic prepare --model smollm2
 	mkdir -p $(DEMO_DIR)
-	$(VENV)/bin/ascend-mepic trace squad --requests 200 --qps 4 --chunks 4 --seed 0 \
+	$(VENV)/bin/ascend-mepic trace squad --requests 200 --qps 25 --chunks 4 --seed 0 \
 		--tokenizer smollm2 > $(DEMO_DIR)/squad_trace.jsonl
 	$(VENV)/bin/ascend-mepic kvsim $(DEMO_DIR)/squad_trace.jsonl --placement all \
 		--block-size 32 --num-blocks 2048 --json $(DEMO_DIR)/kvsim.json

@@ -35,7 +35,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     tok = _tokenizer(args.tokenizer)
     for line in squad_trace(
-        args.requests, args.qps, args.chunks, args.seed, tok, args.output_tokens
+        args.requests,
+        args.qps,
+        args.chunks,
+        args.seed,
+        tok,
+        args.output_tokens,
+        args.articles or None,
     ):
         sys.stdout.write(json.dumps(line) + "\n")
     return 0
@@ -74,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     sq.add_argument("--chunks", type=int, default=4)
     sq.add_argument("--seed", type=int, default=0)
     sq.add_argument("--output-tokens", type=int, default=16)
+    sq.add_argument(
+        "--articles", type=int, default=4, help="hot article set size (0: all 35 articles)"
+    )
     sq.add_argument("--tokenizer", help="smollm2, tiny or a model folder (else text segments)")
     sq.set_defaults(func=cmd_trace)
 

@@ -68,12 +68,19 @@ def load_squad(path: Path | None = None) -> tuple[list[list[str]], list[SquadQue
 
 
 def squad_requests(
-    num_requests: int, num_chunks: int, seed: int = 0
+    num_requests: int, num_chunks: int, seed: int = 0, num_articles: int | None = None
 ) -> Iterator[tuple[SquadQuestion, list[str]]]:
-    """Sample questions; for each, its gold paragraph plus distractors of the same article."""
+    """Sample questions; for each, its gold paragraph plus distractors of the same article.
+
+    ``num_articles`` restricts questions to that many (seeded) articles: a hot document set, as in
+    RAG traffic where concurrent requests retrieve overlapping passages. None uses all 35.
+    """
     articles, questions = load_squad()
     rng = random.Random(seed)
-    pool = [q for q in questions if len(articles[q.article]) >= num_chunks]
+    eligible = [a for a in range(len(articles)) if len(articles[a]) >= num_chunks]
+    if num_articles is not None:
+        eligible = rng.sample(eligible, min(num_articles, len(eligible)))
+    pool = [q for q in questions if q.article in set(eligible)]
     for q in rng.sample(pool, min(num_requests, len(pool))):
         others = [i for i in range(len(articles[q.article])) if i != q.paragraph]
         picked = [q.paragraph, *rng.sample(others, num_chunks - 1)]
@@ -88,11 +95,12 @@ def squad_trace(
     seed: int = 0,
     tokenizer: Tokenizer | None = None,
     output_tokens: int = 16,
+    num_articles: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Trace lines (kvsim's JSONL schema); token ids if a tokenizer is given, else text."""
     rng = random.Random(seed + 1)
     t = 0.0
-    for q, paragraphs in squad_requests(num_requests, num_chunks, seed):
+    for q, paragraphs in squad_requests(num_requests, num_chunks, seed, num_articles):
         t += rng.expovariate(qps)
         texts = [
             ("prompt", SYSTEM_PROMPT + "\n\n"),

@@ -16,7 +16,10 @@ from ascend_mepic.trace import squad_trace
 
 def load_trace(args: argparse.Namespace, qps: float, tokenizer) -> list[TraceRequest]:
     out = []
-    for line in squad_trace(args.requests, qps, args.chunks, args.seed, None, args.output_tokens):
+    lines = squad_trace(
+        args.requests, qps, args.chunks, args.seed, None, args.output_tokens, args.articles or None
+    )
+    for line in lines:
         pieces = [TextSegment(SegmentKind(s["type"]), s["text"]) for s in line["segments"]]
         segs = tokenize_segments(tokenizer, pieces)
         num_tokens = sum(len(s.token_ids) for s in segs)
@@ -34,6 +37,7 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=1 << 16)
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--articles", type=int, default=4, help="hot article set (0: all)")
     p.add_argument("--tokenizer", default="smollm2")
     args = p.parse_args()
 
@@ -43,7 +47,8 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.tokenizer)))
     print(
-        f"SQuAD v2, {args.requests} requests, {args.chunks} paragraphs each, "
+        f"SQuAD v2, {args.requests} requests, {args.chunks} paragraphs each from "
+        f"{args.articles or 'all'} articles, "
         f"pool {args.num_blocks} blocks (peak blocks; ratio = placement / mepic)"
     )
     print(
