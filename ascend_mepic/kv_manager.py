@@ -260,7 +260,9 @@ class MepicKVCacheManager(KVCacheManager):
         )
         if not st.allocated:
             hits = list(new_computed_blocks.blocks[0]) if new_computed_blocks else []
-            new_blocks = self._admit(request, st, hits, num_need_slot, reserved_blocks)
+            # As vLLM does, keep a watermark free when admitting beside running requests.
+            headroom = reserved_blocks + (self.watermark_blocks if has_scheduled_reqs else 0)
+            new_blocks = self._admit(request, st, hits, num_need_slot, headroom)
         else:
             new_blocks = self._grow(request, st, num_need_slot, reserved_blocks)
         if new_blocks is None:
