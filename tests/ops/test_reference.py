@@ -1,0 +1,107 @@
+"""The torch reference against the dense oracle, NoPE/pre-rotated equivalence, rejections."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ascend_mepic.ops import RopeSpec, UnsupportedRopeError, rope_paged_attention
+from ascend_mepic.ops.reference import gather_sequence_keys, rope_paged_attention_reference
+from tests.ops.oracle import dense_oracle, random_batch, rotate_complex
+
+gqa = st.sampled_from([(4, 4), (8, 2), (6, 3), (4, 1)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    block_size=st.sampled_from([16, 32, 128]),
+    heads=gqa,
+    neox=st.booleans(),
+    decode=st.booleans(),
+)
+def test_reference_matches_dense_oracle_fp32(seed, block_size, heads, neox, decode):
+    b = random_batch(seed, block_size, *heads, neox=neox, decode=decode)
+    out = rope_paged_attention_reference(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+    want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, neox, b.scale)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reference_bf16(seed):
+    b = random_batch(seed, 32, 8, 2, dtype=torch.bfloat16)
+    out = rope_paged_attention_reference(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+    want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, True, b.scale)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_nope_cache_equals_prerotated_cache_with_plain_causal_attention(seed):
+    """Fused read-time RoPE over a NoPE cache == ordinary attention over pre-rotated K."""
+    b = random_batch(seed, 16, 8, 2, neox=seed % 2 == 0)
+    out = rope_paged_attention_reference(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+    loc = b.meta.query_start_loc.tolist()
+    for s in range(b.meta.num_seqs):
+        if loc[s] == loc[s + 1]:
+            continue
+        k, v, _, kidx = gather_sequence_keys(b.rotated_cache, b.meta, s, int(b.meta.num_blocks[s]))
+        rows = slice(loc[s], loc[s + 1])
+        q = rotate_complex(
+            b.query[rows].double(), b.meta.query_positions[rows], b.base, seed % 2 == 0
+        ).float()
+        mask = kidx[None, :] <= b.meta.query_indices[rows, None]
+        plain = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            scale=b.scale,
+            enable_gqa=True,
+        )[0].transpose(0, 1)
+        torch.testing.assert_close(out[rows], plain, atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_default_and_forced(monkeypatch):
+    b = random_batch(0, 16, 4, 2)
+    monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", "reference")
+    out = rope_paged_attention(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+    monkeypatch.delenv("ASCEND_MEPIC_ATTN_IMPL")
+    torch.testing.assert_close(
+        out, rope_paged_attention(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+    )
+    monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", "cuda")
+    with pytest.raises(ValueError, match="ASCEND_MEPIC_ATTN_IMPL"):
+        rope_paged_attention(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+
+
+def test_rejects_unsupported_rope_and_bad_gqa():
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):
+        check_rope_rejections()
+
+
+def check_rope_rejections():
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    plain = get_rope(64, 2048, True, {"rope_theta": 10000.0}, dtype=torch.float32)
+    spec = RopeSpec.from_module(plain, 64)
+    assert spec.is_neox_style and spec.head_size == 64
+    partial = get_rope(
+        64, 2048, True, {"rope_theta": 10000.0, "partial_rotary_factor": 0.5}, dtype=torch.float32
+    )
+    with pytest.raises(UnsupportedRopeError, match="partial rotary"):
+        RopeSpec.from_module(partial, 64)
+    dynamic = get_rope(
+        64,
+        2048,
+        True,
+        {"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0},
+        dtype=torch.float32,
+    )
+    with pytest.raises(UnsupportedRopeError, match="not supported"):
+        RopeSpec.from_module(dynamic, 64)
+    b = random_batch(0, 16, 4, 2)
+    with pytest.raises(ValueError, match="multiple"):
+        rope_paged_attention(b.query[:, :3], b.kv_cache, b.meta, b.rope, b.scale)
