@@ -18,11 +18,12 @@ def write_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store un-rotated K and V ``[N, Hkv, D]`` at flat slots ``block * B + offset`` (< 0: skip)."""
-    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    block_size = kv_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    kv_cache[0].view(num_blocks * block_size, hkv, d)[slots] = key[keep].to(kv_cache.dtype)
-    kv_cache[1].view(num_blocks * block_size, hkv, d)[slots] = value[keep].to(kv_cache.dtype)
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[0][blocks, offsets] = key[keep].to(kv_cache.dtype)
+    kv_cache[1][blocks, offsets] = value[keep].to(kv_cache.dtype)
 
 
 def gather_sequence_keys(

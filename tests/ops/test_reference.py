@@ -105,3 +105,19 @@ def check_rope_rejections():
     b = random_batch(0, 16, 4, 2)
     with pytest.raises(ValueError, match="multiple"):
         rope_paged_attention(b.query[:, :3], b.kv_cache, b.meta, b.rope, b.scale)
+
+
+def test_strided_block_major_cache_view():
+    """The vLLM integration passes a transposed view of a block-major buffer."""
+    b = random_batch(3, 32, 8, 2)
+    block_major = b.kv_cache.transpose(0, 1).contiguous()  # [nb, 2, B, Hkv, D]
+    view = block_major.transpose(0, 1)
+    assert not view.is_contiguous()
+    out = rope_paged_attention_reference(b.query, view, b.meta, b.rope, b.scale)
+    want = rope_paged_attention_reference(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+    torch.testing.assert_close(out, want)
+    from ascend_mepic.ops import write_kv
+
+    k = torch.randn(3, 2, 32)
+    write_kv(k, -k, view, torch.tensor([5, -1, 40]))
+    assert torch.equal(block_major[0, 0, 5], k[0]) and torch.equal(block_major[1, 1, 8], -k[2])

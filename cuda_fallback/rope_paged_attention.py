@@ -1,0 +1,576 @@
+"""Triton fused-RoPE paged attention over un-rotated (NoPE) KV, scattered queries.
+
+Why: MEPIC stores chunk K without RoPE so one cached copy serves a chunk at any position. The
+rotation therefore has to happen when K is read: each K tile is loaded from the paged cache,
+rotated in registers at each key's logical position and only then multiplied with the (rotated)
+queries. Nothing rotated is ever written back to memory.
+
+Contract (``ascend_mepic.ops.metadata``; ``ascend_mepic.ops.reference`` is the ground truth):
+cache ``kv_cache[2, num_blocks, B, Hkv, D]`` (K then V, both un-rotated), queries ``[T, Hq, D]``
+un-rotated and grouped by sequence through ``query_start_loc``; each query has a logical position
+(where it is rotated) and a padded index (causal order). Key ``(s, j, t)`` is real when
+``block_valid_start[s, j] <= t < block_valid_end[s, j]``, is rotated at
+``block_first_pos[s, j] + t - block_valid_start[s, j]`` and is seen by the queries of ``s`` whose
+padded index is ``>= j * B + t``. ``cos_sin_cache`` is ``[max_pos, D]``, cosines then sines;
+neox style rotates the halves ``(x[:D/2], x[D/2:])``, GPT-J style the pairs ``(x[0::2], x[1::2])``.
+
+Kernels:
+
+* prefill: grid ``(query tiles, Hq)``; a tile is up to ``BLOCK_M`` consecutive queries of one
+  sequence (a host-side map from ``query_start_loc``). It loops over the sequence's KV in tiles of
+  ``BLOCK_N`` slots (a block or a sub-block), only up to the tile holding its largest padded query
+  index (causal skipping), with a flash-style online softmax in fp32.
+* decode (``max_query_len <= 1``): grid ``(sequences, Hkv, splits)``; the rows of a tile are the
+  query heads sharing one KV head (GQA group padded to >= 16 rows), so each K/V tile is read once
+  per KV head. With more than one split, each split covers a range of KV tiles and a small combine
+  kernel merges their partial results by log-sum-exp (flash-decoding), to fill the GPU when the
+  batch is small and the context long.
+
+The score is computed on the rotated halves without re-interleaving them:
+``q.k = q1.k1 + q2.k2`` where ``(x1, x2)`` are the two rotated half-tiles (neox: the halves;
+GPT-J: the even and odd columns, the same code with other column offsets). ``APPLY_ROPE=False``
+skips every rotation (the benchmark's baseline). Head dims need not be powers of two: the halves
+are padded to a power of two >= 16 with masking. ``B`` must be a power of two >= 16.
+
+Dots run on fp32 operands (``input_precision="ieee"``) for fp32 inputs and always under the
+interpreter (whose ``tl.dot`` on bf16 operands is wrong); on a GPU, fp16/bf16 inputs use their own
+dtype for the dots (rotated Q/K are rounded back to it, as the torch reference does) with fp32
+accumulation.
+
+Status: tested on CPU under ``TRITON_INTERPRET=1`` only (``tests/ops/test_triton.py``). It has NOT
+been run on a real GPU; ``benchmarks/ops/bench_triton_gpu.py`` is the first thing to run on one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ascend_mepic.ops.metadata import PagedRopeMetadata
+from ascend_mepic.ops.rope import RopeSpec
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LOG2E = math.log2(math.e)
+
+
+def _interpreting() -> bool:
+    """Whether ``triton.jit`` made interpreted kernels when this module was imported."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+INTERPRETED = _interpreting()
+
+
+@triton.jit
+def _load_halves(
+    row_ptr,
+    pos,
+    row_mask,
+    cos_sin_ptr,
+    stride_cs,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    APPLY_ROPE: tl.constexpr,
+):
+    """Load the two rotation half-tiles ``[R, HALF_P]`` of ``R`` rows and rotate them at ``pos``."""
+    c = tl.arange(0, HALF_P)
+    if IS_NEOX:
+        c1 = c
+        c2 = c + HALF
+    else:
+        c1 = 2 * c
+        c2 = 2 * c + 1
+    mask = row_mask[:, None] & (c < HALF)[None, :]
+    x1 = tl.load(row_ptr[:, None] + c1[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row_ptr[:, None] + c2[None, :], mask=mask, other=0.0).to(tl.float32)
+    if APPLY_ROPE:
+        cs = cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs + c[None, :]
+        cos = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(cs + HALF, mask=mask, other=0.0).to(tl.float32)
+        r1 = x1 * cos - x2 * sin
+        r2 = x2 * cos + x1 * sin
+        return r1, r2
+    return x1, x2
+
+
+@triton.jit
+def _attend_kv(
+    q1,
+    q2,
+    q_idx,
+    m_i,
+    l_i,
+    acc,
+    seq,
+    tile_lo,
+    tile_hi,
+    k_ptr,
+    v_ptr,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    kv_off,
+    block_tables_ptr,
+    first_pos_ptr,
+    valid_start_ptr,
+    valid_end_ptr,
+    stride_bt,
+    cos_sin_ptr,
+    stride_cs,
+    B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    D: tl.constexpr,
+    D_P: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    APPLY_ROPE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Online softmax of pre-scaled, rotated queries over KV tiles ``[tile_lo, tile_hi)``."""
+    SUB: tl.constexpr = B // BLOCK_N
+    n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D_P)
+    meta_row = seq.to(tl.int64) * stride_bt
+    for t in range(tile_lo, tile_hi):
+        j = t // SUB
+        slot = (t % SUB) * BLOCK_N + n
+        blk = tl.load(block_tables_ptr + meta_row + j).to(tl.int64)
+        first = tl.load(first_pos_ptr + meta_row + j)
+        v_start = tl.load(valid_start_ptr + meta_row + j)
+        v_end = tl.load(valid_end_ptr + meta_row + j)
+        real = (slot >= v_start) & (slot < v_end)
+        k_rows = k_ptr + blk * stride_kb + slot.to(tl.int64) * stride_ks + kv_off
+        k1, k2 = _load_halves(
+            k_rows, first + slot - v_start, real, cos_sin_ptr, stride_cs,
+            HALF, HALF_P, IS_NEOX, APPLY_ROPE,
+        )  # fmt: skip
+        if DOT_FP32:
+            s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+            s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
+        else:
+            s = tl.dot(q1, tl.trans(k1.to(q1.dtype)))
+            s += tl.dot(q2, tl.trans(k2.to(q2.dtype)))
+        allowed = real[None, :] & ((j * B + slot)[None, :] <= q_idx[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no allowed key yet keeps m = -inf; subtract 0 instead (no NaN).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # Pad slots may hold anything (uninitialised blocks): never load them, 0 * NaN is NaN.
+        v_rows = v_ptr + blk * stride_vb + slot.to(tl.int64) * stride_vs + kv_off
+        v = tl.load(
+            v_rows[:, None] + d[None, :], mask=real[:, None] & (d < D)[None, :], other=0.0
+        )
+        acc = acc * alpha[:, None]
+        if DOT_FP32:
+            acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    out_ptr,
+    k_ptr,
+    v_ptr,
+    cos_sin_ptr,
+    tile_seq_ptr,
+    tile_row_ptr,
+    query_start_loc_ptr,
+    query_pos_ptr,
+    query_idx_ptr,
+    block_tables_ptr,
+    num_blocks_ptr,
+    first_pos_ptr,
+    valid_start_ptr,
+    valid_end_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_cs,
+    qk_scale,
+    GROUP: tl.constexpr,
+    B: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    D: tl.constexpr,
+    D_P: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    APPLY_ROPE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One tile of ``BLOCK_M`` queries of one sequence, one query head."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    row0 = tl.load(tile_row_ptr + tile)
+    row_end = tl.load(query_start_loc_ptr + seq + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    pos = tl.load(query_pos_ptr + rows, mask=row_mask, other=0)
+    q_idx = tl.load(query_idx_ptr + rows, mask=row_mask, other=-1)
+    q_rows = q_ptr + rows.to(tl.int64) * stride_qt + head * stride_qh
+    q1, q2 = _load_halves(
+        q_rows, pos, row_mask, cos_sin_ptr, stride_cs, HALF, HALF_P, IS_NEOX, APPLY_ROPE
+    )
+    q1 = q1 * qk_scale
+    q2 = q2 * qk_scale
+    if not DOT_FP32:
+        q1 = q1.to(q_ptr.dtype.element_ty)
+        q2 = q2.to(q_ptr.dtype.element_ty)
+
+    nb = tl.load(num_blocks_ptr + seq)
+    num_tiles = tl.minimum(nb * (B // BLOCK_N), tl.max(q_idx, 0) // BLOCK_N + 1)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_P], tl.float32)
+    m_i, l_i, acc = _attend_kv(
+        q1, q2, q_idx, m_i, l_i, acc, seq, 0, num_tiles,
+        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, (head // GROUP) * stride_kh,
+        block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
+        cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
+    )  # fmt: skip
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    d = tl.arange(0, D_P)
+    o_rows = out_ptr + rows.to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(
+        o_rows[:, None] + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & (d < D)[None, :],
+    )
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    out_ptr,
+    part_ptr,
+    lse_ptr,
+    k_ptr,
+    v_ptr,
+    cos_sin_ptr,
+    query_start_loc_ptr,
+    query_pos_ptr,
+    query_idx_ptr,
+    block_tables_ptr,
+    num_blocks_ptr,
+    first_pos_ptr,
+    valid_start_ptr,
+    valid_end_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_cs,
+    qk_scale,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    D: tl.constexpr,
+    D_P: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    APPLY_ROPE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """The single query of one sequence, all query heads of one KV head, one split of its KV."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(query_start_loc_ptr + seq)
+    count = tl.load(query_start_loc_ptr + seq + 1) - row
+    g = tl.arange(0, BLOCK_G)
+    # Vector masks only: the interpreter mishandles a scalar bool combined with a vector one.
+    has_query = (count + tl.zeros([BLOCK_G], tl.int32)) > 0
+    row_mask = (g < GROUP) & has_query
+    heads = kv_head * GROUP + g
+    row_vec = row + tl.zeros([BLOCK_G], tl.int32)
+    pos = tl.load(query_pos_ptr + row_vec, mask=has_query, other=0)
+    q_idx = tl.load(query_idx_ptr + row_vec, mask=row_mask, other=-1)
+    q_rows = q_ptr + row.to(tl.int64) * stride_qt + heads * stride_qh
+    q1, q2 = _load_halves(
+        q_rows, pos, row_mask, cos_sin_ptr, stride_cs, HALF, HALF_P, IS_NEOX, APPLY_ROPE
+    )
+    q1 = q1 * qk_scale
+    q2 = q2 * qk_scale
+    if not DOT_FP32:
+        q1 = q1.to(q_ptr.dtype.element_ty)
+        q2 = q2.to(q_ptr.dtype.element_ty)
+
+    nb = tl.load(num_blocks_ptr + seq)
+    num_tiles = tl.minimum(nb * (B // BLOCK_N), tl.max(q_idx, 0) // BLOCK_N + 1)
+    num_tiles = tl.where(count > 0, num_tiles, 0)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D_P], tl.float32)
+    m_i, l_i, acc = _attend_kv(
+        q1, q2, q_idx, m_i, l_i, acc, seq, tile_lo, tile_hi,
+        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, kv_head * stride_kh,
+        block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
+        cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
+    )  # fmt: skip
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    d = tl.arange(0, D_P)
+    mask = row_mask[:, None] & (d < D)[None, :]
+    if NUM_SPLITS == 1:
+        o_rows = out_ptr + row.to(tl.int64) * stride_ot + heads * stride_oh
+        tl.store(o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Partials [T, Hq, NUM_SPLITS, D] and their log2-sum-exp [T, Hq, NUM_SPLITS] (fp32).
+        slot = (row.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        tl.store(part_ptr + slot[:, None] * D + d[None, :], out, mask=mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(lse_ptr + slot, lse, mask=row_mask)
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    D: tl.constexpr,
+    D_P: tl.constexpr,
+):
+    """Merge the splits of one (query, head) by their log-sum-exp."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    base = (row.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
+    p = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, D_P)
+    lse = tl.load(lse_ptr + base + p)
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    part = tl.load(part_ptr + (base + p)[:, None] * D + d[None, :], mask=(d < D)[None, :], other=0)
+    total = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    o = out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + d
+    tl.store(o, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def _pow2_at_least(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def _int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _prefill_tiles(query_start_loc: torch.Tensor, block_m: int) -> tuple[torch.Tensor, ...]:
+    """Host map tile -> (sequence, first query row); heaviest (last) tiles first for balance."""
+    loc = query_start_loc.to("cpu", torch.int64)
+    counts = loc[1:] - loc[:-1]
+    per_seq = (counts + block_m - 1) // block_m
+    seqs = torch.repeat_interleave(torch.arange(counts.numel()), per_seq)
+    first_tile = torch.cumsum(per_seq, 0) - per_seq
+    within = torch.arange(seqs.numel()) - first_tile[seqs]
+    rows = loc[seqs] + within * block_m
+    return seqs.flip(0).to(torch.int32), rows.flip(0).to(torch.int32)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_splits(device: torch.device, programs: int, kv_tiles: int) -> int:
+    """Flash-decoding splits: enough programs for ~2 waves, each split >= 4 KV tiles."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    want = min(triton.cdiv(2 * _SM_COUNT[index], max(programs, 1)), max(1, kv_tiles // 4), 64)
+    return triton.next_power_of_2(want) if want > 1 else 1
+
+
+def _validate(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: PagedRopeMetadata, rope: RopeSpec
+) -> None:
+    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"expected query [T, Hq, D] and kv_cache [2, num_blocks, B, Hkv, D], got "
+            f"{tuple(query.shape)} and {tuple(kv_cache.shape)}"
+        )
+    _, _, bs, hkv, d = kv_cache.shape
+    if query.shape[2] != d or rope.cos_sin_cache.shape[-1] != d:
+        raise ValueError(
+            f"head dims differ: query {query.shape[2]}, cache {d}, "
+            f"cos_sin_cache {rope.cos_sin_cache.shape[-1]}"
+        )
+    if d % 2:
+        raise ValueError(f"head dim {d} must be even for RoPE")
+    if query.shape[1] % hkv:
+        raise ValueError(f"query heads {query.shape[1]} must be a multiple of KV heads {hkv}")
+    if bs != meta.block_size or bs < 16 or bs & (bs - 1):
+        raise ValueError(
+            f"block size must be a power of two >= 16 and match the metadata: cache {bs}, "
+            f"metadata {meta.block_size}"
+        )
+    for name, t in (("query", query), ("kv_cache", kv_cache)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} dtype {t.dtype} not supported; use fp32, fp16 or bf16")
+    if meta.query_positions.numel() != query.shape[0]:
+        raise ValueError(
+            f"metadata has {meta.query_positions.numel()} queries, query has {query.shape[0]}"
+        )
+    if kv_cache.device != query.device:
+        raise ValueError(f"query on {query.device}, kv_cache on {kv_cache.device}")
+    if query.device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(
+            f"Triton kernels need CUDA tensors (got {query.device}); set TRITON_INTERPRET=1 "
+            "before importing triton to run them on CPU"
+        )
+
+
+def rope_paged_attention_triton(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: PagedRopeMetadata,
+    rope: RopeSpec,
+    scale: float,
+    *,
+    apply_rope: bool = True,
+    kernel: str | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Fused-RoPE paged attention; same contract and result as the torch reference.
+
+    ``kernel`` forces ``"prefill"`` or ``"decode"`` (default: decode when
+    ``meta.max_query_len <= 1``, trusted as given). ``apply_rope=False`` skips all rotation and
+    ``block_m``/``block_n``/``num_splits`` override tile sizes and decode splits (benchmarks and
+    tests only).
+    """
+    _validate(query, kv_cache, meta, rope)
+    if kernel not in (None, "prefill", "decode"):
+        raise ValueError(f"kernel must be 'prefill' or 'decode', got {kernel!r}")
+    device = query.device
+    t, hq, d = query.shape
+    bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
+    out = torch.empty_like(query)
+    if t == 0:
+        return out
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if kv_cache.stride(-1) != 1:
+        kv_cache = kv_cache.contiguous()  # never for a real cache: vLLM's is contiguous
+    k, v = kv_cache[0], kv_cache[1]
+    cos_sin = rope.cos_sin_cache.to(device).contiguous()
+    loc = _int32(meta.query_start_loc, device)
+    q_pos = _int32(meta.query_positions, device)
+    q_idx = _int32(meta.query_indices, device)
+    tables = _int32(meta.block_tables, device)
+    nblocks = _int32(meta.num_blocks, device)
+    first = _int32(meta.block_first_pos, device)
+    vstart = _int32(meta.block_valid_start, device)
+    vend = _int32(meta.block_valid_end, device)
+    if not (tables.shape == first.shape == vstart.shape == vend.shape):
+        raise ValueError("block_tables and the per-block metadata must have one shape")
+
+    if block_n is None:
+        block_n = min(bs, 128 if INTERPRETED else 64)
+    if bs % block_n or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n {block_n} must be a power of two >= 16 dividing {bs}")
+    half = d // 2
+    common = dict(
+        B=bs,
+        BLOCK_N=block_n,
+        HALF=half,
+        HALF_P=_pow2_at_least(half),
+        D=d,
+        D_P=_pow2_at_least(d),
+        IS_NEOX=bool(rope.is_neox_style),
+        APPLY_ROPE=bool(apply_rope),
+        DOT_FP32=INTERPRETED or query.dtype == torch.float32,
+    )
+    strides = (
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        tables.stride(0),
+        cos_sin.stride(0),
+    )
+    qk_scale = float(scale) * LOG2E
+    group = hq // hkv
+    metas = (loc, q_pos, q_idx, tables, nblocks, first, vstart, vend)
+
+    if kernel == "decode" or (kernel is None and meta.max_query_len <= 1):
+        splits = num_splits or _num_splits(
+            device, meta.num_seqs * hkv, meta.max_num_blocks * (bs // block_n)
+        )
+        if splits & (splits - 1):
+            raise ValueError(f"num_splits {splits} must be a power of two")
+        part = lse = out  # unused placeholders when there is a single split
+        if splits > 1:
+            part = torch.empty(t, hq, splits, d, device=device, dtype=torch.float32)
+            lse = torch.full((t, hq, splits), float("-inf"), device=device, dtype=torch.float32)
+        _decode_kernel[(meta.num_seqs, hkv, splits)](
+            query, out, part, lse, k, v, cos_sin, *metas, *strides, qk_scale,
+            GROUP=group, BLOCK_G=_pow2_at_least(group), NUM_SPLITS=splits, **common,
+            num_warps=4, num_stages=2,
+        )  # fmt: skip
+        if splits > 1:
+            _combine_kernel[(t, hq)](
+                part, lse, out, out.stride(0), out.stride(1),
+                NUM_HEADS=hq, NUM_SPLITS=splits, D=d, D_P=common["D_P"], num_warps=4,
+            )  # fmt: skip
+        return out
+
+    if block_m is None:
+        block_m = 64
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m {block_m} must be a power of two >= 16")
+    tile_seq, tile_row = (x.to(device) for x in _prefill_tiles(meta.query_start_loc, block_m))
+    _prefill_kernel[(tile_seq.numel(), hq)](
+        query, out, k, v, cos_sin, tile_seq, tile_row, *metas, *strides, qk_scale,
+        GROUP=group, BLOCK_M=block_m, **common, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out

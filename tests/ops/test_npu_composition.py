@@ -1,0 +1,171 @@
+"""The torch_npu composition (``ascend_mepic.ops.npu``) against the dense oracle, via a test double.
+
+No NPU here: ``get_npu_ops`` is replaced by ``NpuOpsDouble``, plain torch written from the torch_npu
+documentation. These tests check the composition's indices, masks, layouts and dtype handling, not
+the hardware kernels.
+"""
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ascend_mepic.ops import npu, rope_paged_attention
+from tests.ops.npu_double import DocumentedConstraintError, NpuOpsDouble
+from tests.ops.oracle import dense_oracle, random_batch
+
+gqa = st.sampled_from([(4, 4), (8, 2), (6, 3), (4, 1)])
+FP32 = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@pytest.fixture
+def double(monkeypatch: pytest.MonkeyPatch) -> NpuOpsDouble:
+    ops = NpuOpsDouble()
+    monkeypatch.setattr(npu, "get_npu_ops", lambda: ops)
+    return ops
+
+
+def run(b) -> torch.Tensor:
+    return npu.rope_paged_attention_npu(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    block_size=st.sampled_from([16, 32, 128]),
+    heads=gqa,
+    neox=st.booleans(),
+    decode=st.booleans(),
+)
+def test_composition_matches_dense_oracle_fp32(seed, block_size, heads, neox, decode):
+    """Index, mask and rotation logic at fp32 precision (the double is widened to take fp32)."""
+    ops = NpuOpsDouble(attention_dtypes=FP32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(npu, "get_npu_ops", lambda: ops)
+        mp.setattr(npu, "FIA_DTYPES", FP32)
+        b = random_batch(seed, block_size, *heads, neox=neox, decode=decode)
+        out = run(b)
+    want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, neox, b.scale)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    modes = {kw["mode"] for name, kw in ops.calls if name == "npu_rotary_mul"}
+    assert modes == {"half" if neox else "interleave"}
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_documented_dtypes_bf16(double, block_size, neox):
+    b = random_batch(block_size + neox, block_size, 8, 2, neox=neox, dtype=torch.bfloat16)
+    out = run(b)
+    assert out.dtype == torch.bfloat16
+    want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, neox, b.scale)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_fp32_query_is_attended_in_bf16(double):
+    """The A2 fused op takes no fp32: fp32 inputs are rotated in fp32, attended in bf16."""
+    b = random_batch(3, 32, 6, 3, neox=False)
+    out = run(b)
+    assert out.dtype == torch.float32
+    fia = [kw for name, kw in double.calls if name == "npu_fused_infer_attention_score"]
+    assert fia and all(kw["dtype"] == torch.bfloat16 for kw in fia)
+    want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, False, b.scale)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_call_shapes_follow_documented_forms(double):
+    b = random_batch(5, 16, 8, 2, decode=True)
+    run(b)
+    for name, kw in double.calls:
+        if name == "npu_fused_infer_attention_score":
+            assert kw["layout"] == "BSND" and kw["q"][1] == 1 and kw["inner_precise"] == 0
+            assert kw["mask"][0] == torch.bool and kw["mask"][1][:3] == (1, 1, 1)
+            assert kw["k"][1] % 16 == 0
+
+
+def test_dispatch_to_npu(double, monkeypatch):
+    b = random_batch(7, 32, 4, 2, dtype=torch.float16)
+    monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", "npu")
+    out = rope_paged_attention(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+    torch.testing.assert_close(out, run(b))
+
+
+def test_rejects_shapes_outside_documented_limits(double):
+    b = random_batch(0, 16, 4, 2, head=40)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        run(b)
+
+
+def test_without_torch_npu_raises_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # makes `import torch_npu` fail
+    b = random_batch(0, 16, 4, 2)
+    with pytest.raises(npu.NpuUnavailableError, match="torch_npu with the CANN toolkit"):
+        npu.rope_paged_attention_npu(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here"
+)
+def test_real_resolver_in_this_environment():
+    with pytest.raises(ImportError, match="CANN"):
+        npu.get_npu_ops()
+
+
+# The double itself, against plain torch, so that a wrong double cannot hide a wrong composition.
+
+
+def test_double_rotary_modes_match_complex_rotation():
+    ops = NpuOpsDouble()
+    x = torch.randn(1, 5, 3, 8, dtype=torch.float64).float()
+    angle = torch.rand(5, 4) * 6
+    z = torch.polar(torch.ones_like(angle), angle)[None, :, None, :]
+    c, s = angle.cos(), angle.sin()
+    half = ops.npu_rotary_mul(x, *(torch.cat((t, t), -1)[None, :, None] for t in (c, s)))
+    want = torch.complex(x[..., :4], x[..., 4:]) * z
+    torch.testing.assert_close(half, torch.cat((want.real, want.imag), -1))
+    inter = ops.npu_rotary_mul(
+        x, *(t.repeat_interleave(2, -1)[None, :, None] for t in (c, s)), rotary_mode="interleave"
+    )
+    want = torch.complex(x[..., 0::2], x[..., 1::2]) * z
+    torch.testing.assert_close(inter, torch.stack((want.real, want.imag), -1).flatten(-2))
+    with pytest.raises(DocumentedConstraintError, match="interleave"):
+        ops.npu_rotary_mul(x, torch.ones(1, 5, 3, 8), torch.ones(1, 5, 3, 8), "interleave")
+
+
+@pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH"])
+def test_double_attention_matches_sdpa(layout):
+    ops = NpuOpsDouble()
+    q = torch.randn(2, 8, 7, 16, dtype=torch.float16)
+    k = torch.randn(2, 2, 11, 16, dtype=torch.float16)
+    v = torch.randn(2, 2, 11, 16, dtype=torch.float16)
+    hidden = torch.rand(2, 1, 7, 11) < 0.3
+    hidden[..., 0] = False
+    want = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=~hidden, scale=0.3, enable_gqa=True
+    )
+
+    def lay(t):
+        if layout == "BNSD":
+            return t.contiguous()
+        t = t.transpose(1, 2).contiguous()
+        return t if layout == "BSND" else t.flatten(2)
+
+    out, lse = ops.npu_fused_infer_attention_score(
+        lay(q),
+        lay(k),
+        lay(v),
+        atten_mask=hidden,
+        num_heads=8,
+        num_key_value_heads=2,
+        scale=0.3,
+        input_layout=layout,
+    )
+    assert out.shape == lay(q).shape and out.dtype == torch.float16 and lse.shape == (1,)
+    torch.testing.assert_close(out, lay(want.half()), atol=2e-3, rtol=2e-3)
+    with pytest.raises(DocumentedConstraintError, match="dtype"):
+        ops.npu_fused_infer_attention_score(
+            lay(q).float(), lay(k).float(), lay(v).float(), num_heads=8, input_layout=layout
+        )

@@ -1,0 +1,226 @@
+"""The Triton kernels (``cuda_fallback``) under Triton's CPU interpreter, against the dense oracle.
+
+``TRITON_INTERPRET`` is read when ``triton.jit`` decorates a kernel, so it is set only while the
+kernel module is imported (and the module is reloaded if an earlier import in this process built
+compiled kernels); the rest of the test session is unaffected.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ascend_mepic.ops import RopeSpec, rope_paged_attention
+from ascend_mepic.ops.metadata import PagedRopeMetadata
+from ascend_mepic.ops.reference import rope_paged_attention_reference
+from tests.ops.oracle import Batch, dense_oracle, random_batch
+
+pytest.importorskip("triton")
+
+
+@contextmanager
+def _interpret_env() -> Iterator[None]:
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+with _interpret_env():
+    tri = importlib.import_module("cuda_fallback.rope_paged_attention")
+    if not tri.INTERPRETED:
+        tri = importlib.reload(tri)
+assert tri.INTERPRETED
+
+gqa = st.sampled_from([(4, 4), (8, 2), (6, 3), (4, 1), (8, 1)])
+# Small segments keep the interpreter fast (a few hundred keys per sequence at most).
+MAX_SEGMENT = 60
+
+
+def run(b: Batch, **kwargs) -> torch.Tensor:
+    return tri.rope_paged_attention_triton(b.query, b.kv_cache, b.meta, b.rope, b.scale, **kwargs)
+
+
+def oracle(b: Batch) -> torch.Tensor:
+    return dense_oracle(b.query, b.kv_cache, b.meta, b.base, b.rope.is_neox_style, b.scale)
+
+
+def reference(b: Batch) -> torch.Tensor:
+    return rope_paged_attention_reference(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+
+
+def check(out: torch.Tensor, b: Batch, tol: float) -> None:
+    assert out.dtype == b.query.dtype and out.shape == b.query.shape
+    torch.testing.assert_close(out.double(), oracle(b), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.double(), reference(b).double(), atol=tol, rtol=tol)
+
+
+@settings(max_examples=24, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    block_size=st.sampled_from([16, 32, 128]),
+    heads=gqa,
+    neox=st.booleans(),
+    block_m=st.sampled_from([16, 64]),
+    sub_tiles=st.booleans(),
+)
+def test_prefill_matches_oracle_fp32(seed, block_size, heads, neox, block_m, sub_tiles):
+    """Scattered queries, several sequences, query tiles and (optionally) sub-block KV tiles."""
+    b = random_batch(seed, block_size, *heads, neox=neox, max_segment=MAX_SEGMENT)
+    block_n = 16 if sub_tiles else None
+    check(run(b, kernel="prefill", block_m=block_m, block_n=block_n), b, 1e-5)
+
+
+@settings(max_examples=24, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    block_size=st.sampled_from([16, 32, 128]),
+    heads=gqa,
+    neox=st.booleans(),
+    num_splits=st.sampled_from([1, 2, 4]),
+    sub_tiles=st.booleans(),
+)
+def test_decode_matches_oracle_fp32(seed, block_size, heads, neox, num_splits, sub_tiles):
+    """One query per sequence: the decode kernel (GQA group as rows), with and without splits."""
+    b = random_batch(seed, block_size, *heads, neox=neox, decode=True, max_segment=MAX_SEGMENT)
+    assert b.meta.max_query_len == 1
+    block_n = 16 if sub_tiles else None
+    check(run(b, num_splits=num_splits, block_n=block_n), b, 1e-5)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_prefill_kernel_on_decode_batch(seed):
+    b = random_batch(seed, 16, 8, 2, decode=True, max_segment=MAX_SEGMENT)
+    check(run(b, kernel="prefill"), b, 1e-5)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype, decode):
+    b = random_batch(7, 32, 8, 2, dtype=dtype, decode=decode, max_segment=MAX_SEGMENT)
+    check(run(b), b, 2e-2)
+
+
+@pytest.mark.parametrize("head", [16, 48, 64, 128])
+@pytest.mark.parametrize("decode", [False, True])
+def test_head_dims(head, decode):
+    """Power-of-two and padded (48: halves of 24 padded to 32; 16: halves padded to 16) dims."""
+    b = random_batch(head, 16, 4, 2, head=head, num_seqs=2, decode=decode, max_segment=40)
+    check(run(b), b, 1e-5)
+
+
+def drop_queries(b: Batch, seq: int) -> Batch:
+    """The batch with sequence ``seq`` keeping its KV but asking no query."""
+    m = b.meta
+    loc = m.query_start_loc.long()
+    keep = torch.ones(m.num_queries, dtype=torch.bool)
+    keep[loc[seq] : loc[seq + 1]] = False
+    counts = loc[1:] - loc[:-1]
+    counts[seq] = 0
+    new_loc = torch.zeros_like(m.query_start_loc)
+    new_loc[1:] = torch.cumsum(counts, 0).to(new_loc.dtype)
+    meta = replace(
+        m,
+        query_start_loc=new_loc,
+        query_positions=m.query_positions[keep],
+        query_indices=m.query_indices[keep],
+        max_query_len=int(counts.max()),
+    )
+    return replace(b, query=b.query[keep].contiguous(), meta=meta)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("seq", [0, 2])
+def test_sequences_without_queries_are_skipped(decode, seq):
+    b = drop_queries(random_batch(11, 16, 4, 2, decode=decode, max_segment=MAX_SEGMENT), seq)
+    check(run(b), b, 1e-5)
+    check(run(b, num_splits=2) if decode else run(b, block_m=16), b, 1e-5)
+
+
+def nan_outside_real_slots(b: Batch) -> Batch:
+    """Poison every slot no sequence owns as a real key (pads, unused blocks) with NaN."""
+    m = b.meta
+    real = torch.zeros(b.kv_cache.shape[1:3], dtype=torch.bool)
+    for s in range(m.num_seqs):
+        for j in range(int(m.num_blocks[s])):
+            blk = int(m.block_tables[s, j])
+            real[blk, int(m.block_valid_start[s, j]) : int(m.block_valid_end[s, j])] = True
+    cache = b.kv_cache.clone()
+    cache[:, ~real] = float("nan")
+    return replace(b, kv_cache=cache)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_pad_slots_are_never_read(decode):
+    """Pad slots of allocated blocks may hold garbage (even NaN) without touching the result."""
+    b = nan_outside_real_slots(random_batch(5, 32, 8, 2, decode=decode, max_segment=MAX_SEGMENT))
+    out = run(b, num_splits=2) if decode else run(b)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference(b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("neox", [False, True])
+def test_apply_rope_false_is_attention_without_rotation(decode, neox):
+    """The benchmark's no-RoPE variant equals the reference with an identity rotation."""
+    b = random_batch(3, 16, 8, 2, neox=neox, decode=decode, max_segment=MAX_SEGMENT)
+    cache = b.rope.cos_sin_cache
+    half = cache.shape[1] // 2
+    identity = torch.cat((torch.ones(cache.shape[0], half), torch.zeros(cache.shape[0], half)), 1)
+    plain = replace(b, rope=RopeSpec.from_cache(identity, neox))
+    out = run(b, apply_rope=False)
+    torch.testing.assert_close(out, reference(plain), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, run(plain), atol=1e-6, rtol=1e-6)
+
+
+def test_dispatch_env_reaches_the_kernel(monkeypatch):
+    b = random_batch(2, 16, 4, 2, max_segment=MAX_SEGMENT)
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return tri.rope_paged_attention_triton(*args, **kwargs)
+
+    mod = importlib.import_module("cuda_fallback.rope_paged_attention")
+    assert mod is tri
+    monkeypatch.setattr(mod, "rope_paged_attention_triton", spy)
+    monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", "triton")
+    out = rope_paged_attention(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+    assert len(calls) == 1
+    check(out, b, 1e-5)
+
+
+def test_empty_query_batch():
+    b = random_batch(0, 16, 4, 2, num_seqs=1, decode=True)
+    empty = drop_queries(b, 0)
+    assert run(empty).shape == (0, 4, 32)
+
+
+def test_rejects_bad_inputs():
+    b = random_batch(0, 16, 4, 2, num_seqs=1, max_segment=20)
+    with pytest.raises(TypeError, match="dtype"):
+        tri.rope_paged_attention_triton(b.query.double(), b.kv_cache, b.meta, b.rope, b.scale)
+    with pytest.raises(ValueError, match="block size"):
+        meta: PagedRopeMetadata = replace(b.meta, block_size=32)
+        tri.rope_paged_attention_triton(b.query, b.kv_cache, meta, b.rope, b.scale)
+    with pytest.raises(ValueError, match="head dims"):
+        tri.rope_paged_attention_triton(b.query[..., :16], b.kv_cache, b.meta, b.rope, b.scale)
+    with pytest.raises(ValueError, match="multiple"):
+        tri.rope_paged_attention_triton(b.query[:, :3], b.kv_cache, b.meta, b.rope, b.scale)
+    with pytest.raises(ValueError, match="block_n"):
+        run(b, block_n=32)
+    with pytest.raises(ValueError, match="kernel"):
+        run(b, kernel="dense")
