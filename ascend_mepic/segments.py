@@ -142,19 +142,47 @@ class Layout:
                     out.append(-1)
         return out
 
+    def in_context_slots(self) -> list[int]:
+        """Padded indices of the real tokens computed in the request's context, in order.
+
+        Those are the tokens of prompt blocks and of every chunk's first block; a chunk's later
+        blocks are never computed in context (they are shared, or compiled alone).
+        """
+        bs = self.block_size
+        return [
+            spec.index * bs + slot
+            for spec in self.blocks
+            if spec.kind is not BlockKind.CHUNK_SHARED
+            for slot in range(spec.valid_start, spec.valid_end)
+        ]
+
+    def real_slots(self) -> list[int]:
+        """Padded indices of every real token, in order."""
+        bs = self.block_size
+        return [
+            spec.index * bs + slot
+            for spec in self.blocks
+            for slot in range(spec.valid_start, spec.valid_end)
+        ]
+
     def segment_lengths(self) -> list[list]:
         """The compact description that travels in ``extra_args[EXTRA_ARGS_KEY]``."""
         return [[s.kind.value, len(s.token_ids)] for s in self.segments]
 
 
-def build_layout(segments: Sequence[Segment], block_size: int) -> Layout:
-    """Lay segments out canonically for ``block_size``; raises LayoutError on invalid input."""
+def build_layout(
+    segments: Sequence[Segment], block_size: int, allow_trailing_chunk: bool = False
+) -> Layout:
+    """Lay segments out canonically for ``block_size``; raises LayoutError on invalid input.
+
+    ``allow_trailing_chunk`` is only for a chunk's compile (the chunk alone, no question).
+    """
     if block_size <= 0:
         raise LayoutError(f"block size must be positive, got {block_size}")
     if not segments:
         raise LayoutError("a request needs at least one segment")
     last = len(segments) - 1
-    if segments[last].kind is not SegmentKind.PROMPT:
+    if segments[last].kind is not SegmentKind.PROMPT and not allow_trailing_chunk:
         raise LayoutError(
             "the last segment must be a prompt segment (the request-specific question); "
             "a trailing chunk would have to be recomputed anyway"
@@ -245,4 +273,29 @@ def layout_from_padded(
         real = piece[width - n :] if kind is SegmentKind.CHUNK else piece[:n]
         segments.append(Segment(kind, tuple(real)))
         offset += width
+    return build_layout(segments, block_size)
+
+
+def layout_from_lengths(
+    lengths: object, block_size: int, allow_trailing_chunk: bool = False
+) -> Layout:
+    """A layout from segment lengths alone (token values are placeholders): what the worker
+    needs to place tokens, without the tokens themselves."""
+    segments = [Segment(kind, tuple(range(n))) for kind, n in parse_segment_lengths(lengths)]
+    return build_layout(segments, block_size, allow_trailing_chunk)
+
+
+def layout_from_real(token_ids: Sequence[int], segment_lengths: object, block_size: int) -> Layout:
+    """Split a request's real (unpadded) prompt tokens by segment lengths and lay them out."""
+    lengths = parse_segment_lengths(segment_lengths)
+    total = sum(n for _, n in lengths)
+    if total != len(token_ids):
+        raise LayoutError(
+            f"prompt has {len(token_ids)} tokens but segments {segment_lengths!r} sum to {total}"
+        )
+    segments: list[Segment] = []
+    offset = 0
+    for kind, n in lengths:
+        segments.append(Segment(kind, tuple(token_ids[offset : offset + n])))
+        offset += n
     return build_layout(segments, block_size)

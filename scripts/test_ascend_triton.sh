@@ -10,15 +10,20 @@ VENV="${ASCEND_VENV:-$ROOT/.venv-ascend}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.ascend-triton-setup"
 
+# pip warns once per package about this machine's absent extra index folders; drop only those.
+pip_install() {
+  { "$VENV/bin/python" -m pip install -q "$@" 2>&1; } |
+    { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+
 if [ ! -f "$STAMP" ]; then
   start=$(date +%s)
   test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
-  PIP=("$VENV/bin/python" -m pip install -q)
-  "${PIP[@]}" --upgrade pip
+  pip_install --upgrade pip
   # torch first: if its wheel pulled in upstream triton, triton-ascend overwrites it afterwards.
-  "${PIP[@]}" torch==2.13.0
-  "${PIP[@]}" triton-ascend==3.2.0 pybind11 'numpy<2' pytest hypothesis
-  "${PIP[@]}" --no-deps -e "$ROOT"
+  pip_install torch==2.13.0
+  pip_install triton-ascend==3.2.0 pybind11 'numpy<2' pytest hypothesis
+  pip_install --no-deps -e "$ROOT"
   touch "$STAMP"
   echo "test_ascend_triton: created $VENV in $(($(date +%s) - start)) s"
 fi

@@ -44,7 +44,7 @@ class RopeSpec:
     @classmethod
     def from_module(cls, rotary: torch.nn.Module, head_size: int) -> RopeSpec:
         """Validate a vLLM rotary module and take its cache and style."""
-        name = type(rotary).__name__
+        name = getattr(type(rotary), "mepic_base_name", type(rotary).__name__)
         if name not in SUPPORTED_ROTARY_CLASSES:
             raise UnsupportedRopeError(
                 f"rotary embedding {name} is not supported by fused read-time RoPE "

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -115,8 +116,9 @@ def grid(quick: bool) -> list[Case]:
     cases = []
     for shape in SHAPES:
         if quick:
-            phases = [("prefill", 512), ("decode", 2048)]
-            blocks = (32, 128) if shape.head_size == 64 else (128,)
+            small = shape.head_size == 64
+            phases = [("prefill", 512), ("decode", 2048)] if small else [("decode", 512)]
+            blocks = (32, 128) if small else (128,)
         else:
             phases = [("prefill", 512), ("prefill", 2048)]
             phases += [("decode", c) for c in (512, 2048, 8192)]
@@ -265,22 +267,38 @@ def staged_reference(inp: Inputs) -> dict[str, float]:
     return spent
 
 
-def median_ms(fn: Callable[[], object], warmup: int, repeat: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
-def median_split_ms(inp: Inputs, warmup: int, repeat: int) -> dict[str, float]:
+def interleaved_medians(
+    inp: Inputs,
+    ours: Callable[[], object],
+    theirs: Callable[[], object] | None,
+    warmup: int,
+    repeat: int,
+) -> tuple[float, float | None, dict[str, float]]:
+    """Medians (ms) of ours, vLLM's and the staged split, their runs interleaved.
+
+    Interleaving spreads any background load over all three alike, so the ratios stay fair on a
+    shared machine even when the absolute times move.
+    """
     for _ in range(warmup):
+        ours()
+        if theirs is not None:
+            theirs()
         staged_reference(inp)
-    runs = [staged_reference(inp) for _ in range(repeat)]
-    return {k: 1e3 * statistics.median(r[k] for r in runs) for k in runs[0]}
+    t_ours, t_theirs, splits = [], [], []
+    for _ in range(repeat):
+        t_ours.append(timed(ours))
+        if theirs is not None:
+            t_theirs.append(timed(theirs))
+        splits.append(staged_reference(inp))
+    split = {k: 1e3 * statistics.median(r[k] for r in splits) for k in splits[0]}
+    theirs_ms = 1e3 * statistics.median(t_theirs) if t_theirs else None
+    return 1e3 * statistics.median(t_ours), theirs_ms, split
 
 
 def probe_vllm(dtype: torch.dtype, isa_for: Callable[[torch.dtype, int, int], str]) -> str | None:
@@ -308,17 +326,15 @@ def run_case(
     def ours() -> torch.Tensor:
         return rope_paged_attention_reference(inp.query, inp.kv_cache, inp.meta, rope, inp.scale)
 
-    max_diff, vllm_ms, note = None, None, ""
+    max_diff, theirs, note = None, None, ""
     if with_vllm:
         theirs = vllm_runner(case, inp, isa)
         max_diff = (ours().float() - theirs().float()).abs().max().item()
         if max_diff > TOLERANCE[case.dtype]:
             note = f"MISMATCH (> {TOLERANCE[case.dtype]:g})"
-        vllm_ms = median_ms(theirs, warmup, repeat)
     else:
         note = f"vLLM kernel skipped ({case.dtype_name} unsupported here)"
-    ours_ms = median_ms(ours, warmup, repeat)
-    split = median_split_ms(inp, warmup, repeat)
+    ours_ms, vllm_ms, split = interleaved_medians(inp, ours, theirs, warmup, repeat)
     return Row(case, max_diff, ours_ms, vllm_ms, split, note)
 
 
@@ -365,7 +381,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
 
     if hasattr(torch.cpu, "_init_amx"):
         torch.cpu._init_amx()  # AMX tile permission, needed by vLLM's bf16 AMX path
@@ -373,7 +392,8 @@ def main() -> None:
 
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"AMX {torch.cpu._is_amx_tile_supported()}, AVX-512 {torch.cpu._is_avx512_supported()}"
+        f"AMX {torch.cpu._is_amx_tile_supported()}, AVX-512 {torch.cpu._is_avx512_supported()}, "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
     supported = {}
     for name, dtype in DTYPES.items():
@@ -400,7 +420,10 @@ def main() -> None:
             f"vLLM {fmt(row.vllm_ms)} ms, diff {fmt(row.max_diff, '.1e')} {row.note}",
             flush=True,
         )
-    print(f"\n{len(cases)} cases in {time.perf_counter() - t_start:.0f} s")
+    print(
+        f"\n{len(cases)} cases in {time.perf_counter() - t_start:.0f} s; "
+        f"load average now {os.getloadavg()[0]:.1f} (background load makes absolute times noisy)"
+    )
     print_tables(rows)
     if any(r.note.startswith("MISMATCH") for r in rows):
         sys.exit("outputs disagree beyond tolerance in some cases (see the note column)")

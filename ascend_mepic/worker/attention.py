@@ -1,0 +1,174 @@
+"""MEPIC's attention backend for vLLM: un-rotated KV in the paged cache, RoPE applied at read time.
+
+Registered over vLLM's ``CPU_ATTN`` (on CPU the platform always picks that name, so re-registering
+its path is the documented way in). The per-layer cache buffer vLLM allocates for a block holds
+``num_kv_heads * block_size * 2 * head_size`` elements; this backend owns their meaning and views
+the buffer as ``[num_blocks, 2, B, Hkv, D]`` (K then V of each block, block-major, so vLLM's
+block-granular bookkeeping still maps to whole blocks), passed to the ops as the strided logical
+view ``[2, num_blocks, B, Hkv, D]``.
+
+The builder turns vLLM's ``CommonAttentionMetadata`` plus the runner's ``StepTables`` (logical
+positions, padded indices, per-block position tables) into the ops' ``PagedRopeMetadata``.
+Requests without a MEPIC layout get the identity tables, so plain requests are ordinary causal
+attention with RoPE at each token's position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+from ascend_mepic.ops import PagedRopeMetadata, rope_paged_attention, write_kv
+from ascend_mepic.ops.rope import RopeSpec
+from ascend_mepic.worker import step
+from ascend_mepic.worker.rope import registered_rope
+
+
+@dataclass
+class MepicAttentionMetadata:
+    num_actual_tokens: int
+    paged: PagedRopeMetadata
+
+
+def cache_view(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch.Tensor:
+    """The op's logical ``[2, num_blocks, B, Hkv, D]`` view of vLLM's per-layer buffer."""
+    num_blocks = kv_cache.shape[0]
+    if not kv_cache.is_contiguous():
+        raise RuntimeError("MEPIC attention needs a contiguous per-layer KV buffer (LBHNC layout)")
+    block_size = kv_cache.numel() // (num_blocks * 2 * num_kv_heads * head_size)
+    return kv_cache.view(num_blocks, 2, block_size, num_kv_heads, head_size).transpose(0, 1)
+
+
+class MepicAttentionMetadataBuilder(AttentionMetadataBuilder[MepicAttentionMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False
+    ) -> MepicAttentionMetadata:
+        cm = common_attn_metadata
+        num_reqs, num_tokens = cm.num_reqs, cm.num_actual_tokens
+        tables = step.current()
+        if tables is not None and tables.matches(num_reqs, num_tokens):
+            paged = tables.to_metadata(
+                self.block_size, cm.query_start_loc[: num_reqs + 1], cm.block_table_tensor
+            )
+        else:
+            paged = step.plain_metadata(
+                self.block_size,
+                cm.query_start_loc[: num_reqs + 1],
+                cm.positions[:num_tokens],
+                cm.seq_lens[:num_reqs],
+                cm.block_table_tensor[:num_reqs],
+            )
+        return MepicAttentionMetadata(num_tokens, paged)
+
+
+class MepicAttentionImpl(AttentionImpl):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        unsupported = {
+            "ALiBi": alibi_slopes is not None,
+            "sliding window": sliding_window is not None,
+            "logits soft cap": bool(logits_soft_cap),
+            "attention sinks": sinks is not None,
+            "a quantized KV cache": kv_cache_dtype not in ("auto", None),
+            "non-decoder attention": attn_type != AttentionType.DECODER,
+            "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
+        }
+        found = [name for name, bad in unsupported.items() if bad]
+        if found:
+            raise ValueError(f"MEPIC attention does not support {', '.join(found)}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_sharing_target_layer_name = None
+        self._rope: RopeSpec | None = None
+
+    def rope(self) -> RopeSpec:
+        if self._rope is None:
+            self._rope = registered_rope()
+        return self._rope
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        """Store K and V un-rotated (vLLM calls this for every layer before its attention)."""
+        view = cache_view(kv_cache, self.num_kv_heads, self.head_size)
+        n = slot_mapping.shape[0]
+        write_kv(
+            key[:n].view(n, self.num_kv_heads, self.head_size),
+            value[:n].view(n, self.num_kv_heads, self.head_size),
+            view,
+            slot_mapping,
+        )
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: MepicAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by MEPIC")
+        if attn_metadata is None:  # profiling run
+            return output
+        n = attn_metadata.num_actual_tokens
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        view = cache_view(kv_cache, self.num_kv_heads, self.head_size)
+        out = rope_paged_attention(q, view, attn_metadata.paged, self.rope(), self.scale)
+        output[:n] = out.reshape(output[:n].shape)
+        return output
+
+
+class MepicAttentionBackend(CPUAttentionBackend):
+    """CPU_ATTN's capabilities (block sizes, head sizes, layout) with MEPIC's impl and builder."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @staticmethod
+    def get_impl_cls() -> type[MepicAttentionImpl]:
+        return MepicAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[MepicAttentionMetadataBuilder]:
+        return MepicAttentionMetadataBuilder
+
+
+def register_backend() -> None:
+    """Point vLLM's CPU_ATTN at this backend (in the worker process, before the model is built)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.registry import register_backend as vllm_register
+
+    vllm_register(AttentionBackendEnum.CPU_ATTN, f"{__name__}.MepicAttentionBackend")

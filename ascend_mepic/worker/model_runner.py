@@ -1,0 +1,71 @@
+"""MepicCPUModelRunner: vLLM's CPU model runner that places MEPIC requests' tokens.
+
+vLLM numbers each request's scheduled tokens 0, 1, 2, ... and derives positions and KV slots from
+those numbers. For a MEPIC request the numbers index its in-context tokens (see ``token_map``), so
+right after vLLM prepares a step's inputs this runner rewrites, for those requests only, the
+positions (to logical positions) and the KV slot mapping (to the padded layout inside the request's
+block table), and publishes the step's position tables for the attention builder. Chunk compiles
+are ordinary sequences of the same batch. Everything else is vLLM's runner unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from ascend_mepic.worker import step
+from ascend_mepic.worker.token_map import TokenMap
+
+
+class MepicCPUModelRunner(CPUModelRunner):
+    def __init__(self, vllm_config, device: torch.device) -> None:
+        super().__init__(vllm_config, device)
+        self.mepic_block_size = vllm_config.cache_config.block_size
+        self._token_maps: dict[str, TokenMap | None] = {}
+
+    def _update_states(self, scheduler_output):
+        for req_id in scheduler_output.finished_req_ids:
+            self._token_maps.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            self._token_maps[new.req_id] = TokenMap.from_extra_args(
+                params.extra_args if params else None, self.mepic_block_size
+            )
+        return super()._update_states(scheduler_output)
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens_np):
+        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens_np)
+        self._place_tokens(scheduler_output.total_num_scheduled_tokens)
+        return out
+
+    def _place_tokens(self, num_tokens: int) -> None:
+        bs = self.mepic_block_size
+        num_reqs = self.input_batch.num_reqs
+        loc = self.query_start_loc.np[: num_reqs + 1]
+        index = self.positions[:num_tokens].cpu().numpy().astype(np.int64)
+        positions, padded = index.copy(), index.copy()
+        table = self.input_batch.block_table[0]
+        blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        placed = False
+        for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
+            a, b = int(loc[i]), int(loc[i + 1])
+            tmap = self._token_maps.get(req_id)
+            if tmap is None:
+                n = int(index[b - 1]) // bs + 1 if b > a else 0
+                j = np.arange(n, dtype=np.int64)
+                blocks.append((j * bs, np.zeros_like(j), np.full_like(j, bs)))
+                continue
+            if b == a:
+                blocks.append(tmap.blocks(0))
+                continue
+            placed = True
+            pad_idx, pos = tmap.lookup(index[a:b])
+            padded[a:b], positions[a:b] = pad_idx, pos
+            blocks.append(tmap.blocks(int(pad_idx.max()) // bs + 1))
+            block_ids = table.block_table.np[i, pad_idx // bs].astype(np.int64)
+            slots = torch.from_numpy(block_ids * bs + pad_idx % bs)
+            table.slot_mapping.gpu[a:b] = slots.to(table.slot_mapping.gpu.device)
+        if placed:
+            self.positions[:num_tokens] = torch.from_numpy(positions).to(self.positions.device)
+        step.publish(step.build_tables(num_tokens, positions, padded, blocks, self.device))

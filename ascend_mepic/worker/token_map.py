@@ -1,0 +1,94 @@
+"""Where each of a request's computed tokens sits: its padded-layout index and logical position.
+
+The scheduler hands the worker a MEPIC request as its *in-context* tokens only (prompt blocks and
+each chunk's first block, in layout order) plus ``extra_args["mepic_segments"]``; a chunk compile
+arrives as the chunk's tokens plus ``extra_args["mepic_compile"]``. vLLM's runner numbers a
+request's tokens 0, 1, 2, ... ; a ``TokenMap`` turns those numbers into padded indices (the KV
+slot and causal order) and logical positions (RoPE), and gives the per-block position table.
+Decode tokens continue after the padded prompt. Plain requests need no map (index = position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ascend_mepic.segments import EXTRA_ARGS_KEY, SegmentKind, layout_from_lengths
+
+COMPILE_KEY = "mepic_compile"
+
+
+@dataclass(frozen=True)
+class TokenMap:
+    block_size: int
+    padded: np.ndarray  # [n] padded index of in-context token i
+    position: np.ndarray  # [n] logical position of in-context token i
+    padded_len: int
+    real_len: int
+    first_pos: np.ndarray  # [layout blocks]
+    valid_start: np.ndarray
+    valid_end: np.ndarray
+
+    @classmethod
+    def from_extra_args(cls, extra: dict[str, Any] | None, block_size: int) -> TokenMap | None:
+        if not extra:
+            return None
+        if COMPILE_KEY in extra:
+            layout = layout_from_lengths(
+                [[SegmentKind.CHUNK.value, int(extra[COMPILE_KEY])]],
+                block_size,
+                allow_trailing_chunk=True,
+            )
+            slots = layout.real_slots()
+        elif EXTRA_ARGS_KEY in extra:
+            layout = layout_from_lengths(extra[EXTRA_ARGS_KEY], block_size)
+            slots = layout.in_context_slots()
+        else:
+            return None
+        positions = np.asarray(layout.slot_positions(), dtype=np.int64)
+        padded = np.asarray(slots, dtype=np.int64)
+        valid_end = np.asarray([b.valid_end for b in layout.blocks], dtype=np.int64)
+        valid_end[-1] = block_size  # decode continues in the last block
+        return cls(
+            block_size=block_size,
+            padded=padded,
+            position=positions[padded],
+            padded_len=layout.num_padded_tokens,
+            real_len=layout.num_real_tokens,
+            first_pos=np.asarray([b.first_position for b in layout.blocks], dtype=np.int64),
+            valid_start=np.asarray([b.valid_start for b in layout.blocks], dtype=np.int64),
+            valid_end=valid_end,
+        )
+
+    @property
+    def num_in_context(self) -> int:
+        return len(self.padded)
+
+    def lookup(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(padded index, logical position) of the request's tokens number ``index``."""
+        n = self.num_in_context
+        inside = index < n
+        clipped = np.minimum(index, n - 1)
+        extra = index - n
+        padded = np.where(inside, self.padded[clipped], self.padded_len + extra)
+        position = np.where(inside, self.position[clipped], self.real_len + extra)
+        return padded, position
+
+    def blocks(self, num_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(first position, valid start, valid end) for the first ``num_blocks`` table entries."""
+        n = len(self.first_pos)
+        if num_blocks <= n:
+            return (
+                self.first_pos[:num_blocks],
+                self.valid_start[:num_blocks],
+                self.valid_end[:num_blocks],
+            )
+        j = np.arange(n, num_blocks, dtype=np.int64)
+        extra_first = self.real_len + j * self.block_size - self.padded_len
+        return (
+            np.concatenate([self.first_pos, extra_first]),
+            np.concatenate([self.valid_start, np.zeros_like(j)]),
+            np.concatenate([self.valid_end, np.full_like(j, self.block_size)]),
+        )
