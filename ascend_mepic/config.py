@@ -19,6 +19,8 @@ class MepicConfig:
     pad_token_id: int = DEFAULT_PAD_TOKEN_ID
     chunk_begin: str = DEFAULT_BEGIN
     chunk_end: str = DEFAULT_END
+    # Share of the step's token budget kept for chunk compiles (extra sequences in the batch).
+    compile_token_fraction: float = 0.5
 
     @classmethod
     def from_additional_config(cls, additional: dict[str, Any] | None) -> MepicConfig:

@@ -25,11 +25,12 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock, hash_block_tokens
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from vllm.v1.request import Request
+from vllm.v1.utils import ConstantList
 
 from ascend_mepic.chunk_cache import ChunkCache, ChunkEntry, ChunkState
 from ascend_mepic.identity import ChunkId, chunk_identity
 from ascend_mepic.plan import ChunkCompile, RequestPlan, Residency
-from ascend_mepic.segments import EXTRA_ARGS_KEY, BlockKind, Layout, layout_from_padded
+from ascend_mepic.segments import EXTRA_ARGS_KEY, BlockKind, Layout, layout_from_real
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class _RequestState:
     layout: Layout
     chunk_ids: dict[int, ChunkId | None]  # chunk segment -> identity; None if single-block
     shared: list[bool]  # per layout block: True for a cacheable chunk's canonical block
+    compact_slots: list[int] = field(default_factory=list)  # padded index of in-context token i
+    compact_before: list[int] = field(default_factory=list)  # in-context tokens before block i
     entries: list[ChunkEntry] = field(default_factory=list)  # acquired, one per occurrence
     scratch: list[KVCacheBlock] = field(default_factory=list)
     plan: RequestPlan | None = None
@@ -66,6 +69,18 @@ class _RequestState:
     @property
     def allocated(self) -> bool:
         return self.plan is not None
+
+    @property
+    def num_in_context(self) -> int:
+        return len(self.compact_slots)
+
+    def padded_end(self, num_tokens: int) -> int:
+        """Padded length covering the request's first ``num_tokens`` (in-context, then decode)."""
+        if num_tokens <= 0:
+            return 0
+        if num_tokens <= self.num_in_context:
+            return self.compact_slots[num_tokens - 1] + 1
+        return self.layout.num_padded_tokens + num_tokens - self.num_in_context
 
 
 def mepic_block_hashes(
@@ -91,6 +106,15 @@ def mepic_block_hashes(
     return hashes
 
 
+def _set_prompt(request: Request, token_ids: list[int]) -> None:
+    """Replace an engine request's prompt before it is scheduled (vLLM 0.32 Request fields)."""
+    request.prompt_token_ids = token_ids
+    request._all_token_ids = list(token_ids)
+    request.all_token_ids = ConstantList(request._all_token_ids)
+    request.num_prompt_tokens = len(token_ids)
+    request._block_hasher = None
+
+
 class MepicKVCacheManager(KVCacheManager):
     """KVCacheManager with a chunk cache beside the prefix cache in one BlockPool."""
 
@@ -109,6 +133,13 @@ class MepicKVCacheManager(KVCacheManager):
         self.counters = MepicCounters()
         self._states: dict[str, _RequestState] = {}
         self._single = self.coordinator.single_type_managers[0]
+        # Chunk compiles run as extra sequences in the admitting step; the scheduler reserves room
+        # for them in its token and sequence budgets and sets these (unbounded for kvsim).
+        self.compile_token_budget = 1 << 62
+        self.compile_seq_budget = 1 << 62
+        self._step_tokens_left = self.compile_token_budget
+        self._step_seqs_left = self.compile_seq_budget
+        self._step_compiles: list[tuple[str, ChunkCompile]] = []
         self.mepic_block_size = self._single.block_size
 
     @staticmethod
@@ -133,21 +164,30 @@ class MepicKVCacheManager(KVCacheManager):
     def track(self, request: Request) -> bool:
         """Register a request carrying ``extra_args[EXTRA_ARGS_KEY]``; False if it has none.
 
-        Validates the layout and that the request can ever fit; raises LayoutError or
-        MepicCapacityError otherwise (before anything is allocated).
+        The request arrives with its real prompt tokens and segment lengths. Validates the layout
+        and that the request can ever fit (LayoutError / MepicCapacityError, before anything is
+        allocated), then rewrites the engine request to its in-context tokens only (prompt blocks
+        and chunk first blocks, in layout order): those are all vLLM will schedule and compute for
+        it; chunk blocks after the first are shared or compiled as separate sequences.
         """
-        extra = request.sampling_params.extra_args if request.sampling_params else None
+        params = request.sampling_params
+        extra = params.extra_args if params else None
         if not extra or EXTRA_ARGS_KEY not in extra:
             return False
         if not self.enable_caching:
             raise MepicUnsupportedError("MEPIC requests need prefix caching enabled")
-        layout = layout_from_padded(
-            request.prompt_token_ids or [], extra[EXTRA_ARGS_KEY], self.mepic_block_size
+        if params is not None and params.prompt_logprobs is not None:
+            raise MepicUnsupportedError("prompt logprobs are not supported for MEPIC requests")
+        if request.num_computed_tokens or request.num_output_tokens:
+            raise MepicUnsupportedError("a MEPIC request must be registered before it runs")
+        layout = layout_from_real(
+            list(request.prompt_token_ids or []), extra[EXTRA_ARGS_KEY], self.mepic_block_size
         )
-        if layout.num_padded_tokens > self.max_model_len:
+        room = self.max_model_len - layout.num_padded_tokens
+        if room <= 0:
             raise MepicCapacityError(
-                f"padded prompt of {layout.num_padded_tokens} tokens exceeds the model's "
-                f"max_model_len {self.max_model_len}"
+                f"padded prompt of {layout.num_padded_tokens} tokens leaves no room in the "
+                f"model's max_model_len {self.max_model_len}"
             )
         chunk_ids: dict[int, ChunkId | None] = {}
         shared = [False] * layout.num_blocks
@@ -163,6 +203,7 @@ class MepicKVCacheManager(KVCacheManager):
             )
             for b in range(span.first_block + 1, span.first_block + span.num_blocks):
                 shared[b] = True
+        self._check_compile_budget(layout, chunk_ids)
         worst_case = layout.num_blocks + sum(1 for c in chunk_ids.values() if c is not None)
         usable = self.block_pool.num_gpu_blocks - 1 - self.chunk_cache.num_pinned_blocks()
         if worst_case > usable:
@@ -170,14 +211,36 @@ class MepicKVCacheManager(KVCacheManager):
                 f"request needs up to {worst_case} KV blocks (layout {layout.num_blocks} + "
                 f"compile scratch) but the pool has only {usable} usable blocks"
             )
-        hashes = mepic_block_hashes(
-            layout, list(request.prompt_token_ids or []), self.hash_fn, request.cache_salt
+        padded = layout.padded_token_ids()
+        compact_slots = layout.in_context_slots()
+        compact_before = [0] * (layout.num_blocks + 1)
+        for slot in compact_slots:
+            compact_before[slot // layout.block_size + 1] += 1
+        for i in range(layout.num_blocks):
+            compact_before[i + 1] += compact_before[i]
+        _set_prompt(request, [padded[i] for i in compact_slots])
+        # Layout-keyed hashes of the prompt's full blocks; decode blocks are not prefix-cached.
+        request.block_hashes = mepic_block_hashes(layout, padded, self.hash_fn, request.cache_salt)
+        request.max_tokens = min(request.max_tokens, room)
+        self._states[request.request_id] = _RequestState(
+            layout, chunk_ids, shared, compact_slots, compact_before
         )
-        if len(request.block_hashes) < len(hashes):
-            raise MepicUnsupportedError("request block hasher must hash at the MEPIC block size")
-        request.block_hashes[: len(hashes)] = hashes
-        self._states[request.request_id] = _RequestState(layout, chunk_ids, shared)
         return True
+
+    def _check_compile_budget(self, layout: Layout, chunk_ids: dict[int, ChunkId | None]) -> None:
+        unique = {cid: span for span in layout.chunk_spans if (cid := chunk_ids[span.segment])}
+        tokens = sum(span.num_tokens for span in unique.values())
+        if tokens > self.compile_token_budget or len(unique) > self.compile_seq_budget:
+            raise MepicCapacityError(
+                f"request has {len(unique)} chunks with {tokens} tokens to compile, more than one "
+                f"step can compile ({self.compile_seq_budget} sequences, "
+                f"{self.compile_token_budget} tokens); raise --max-num-batched-tokens"
+            )
+
+    def take_step_compiles(self) -> list[tuple[str, ChunkCompile]]:
+        """(request id, compile) for every chunk first allocated in this step, once."""
+        out, self._step_compiles = self._step_compiles, []
+        return out
 
     def get_plan(self, request_id: str) -> RequestPlan | None:
         st = self._states.get(request_id)
@@ -192,14 +255,13 @@ class MepicKVCacheManager(KVCacheManager):
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         hits = self._longest_hit(request, st)
-        return self.create_kv_cache_blocks((hits,)), len(hits) * self.mepic_block_size, 0
+        return self.create_kv_cache_blocks((hits,)), st.compact_before[len(hits)], 0
 
     def _longest_hit(self, request: Request, st: _RequestState) -> list[KVCacheBlock]:
         """Leading blocks already in the pool: prefix-cache hits and resident chunk blocks."""
-        bs = self.mepic_block_size
         hits: list[KVCacheBlock] = []
-        # The last token is always recomputed (its logits are needed).
-        for i in range((request.num_tokens - 1) // bs):
+        # The last layout block holds the last prompt token, which is always recomputed.
+        for i in range(st.layout.num_blocks - 1):
             block = self._resident_block(request, st, i)
             if block is None:
                 break
@@ -255,8 +317,10 @@ class MepicKVCacheManager(KVCacheManager):
         if num_external_computed_tokens:
             raise MepicUnsupportedError("KV connectors are not supported with MEPIC requests yet")
         total_computed = request.num_computed_tokens + num_new_computed_tokens
+        # Everything below works in the padded layout; vLLM counts in-context tokens.
         num_need_slot = min(
-            total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
+            st.padded_end(total_computed + num_new_tokens + num_lookahead_tokens),
+            self.max_model_len,
         )
         if not st.allocated:
             hits = list(new_computed_blocks.blocks[0]) if new_computed_blocks else []
@@ -269,7 +333,7 @@ class MepicKVCacheManager(KVCacheManager):
             return None
         if not delay_cache_blocks:
             num_to_cache = min(total_computed + num_new_tokens, request.num_tokens)
-            self._cache_private(request, st, num_to_cache)
+            self._cache_private(request, st, st.padded_end(num_to_cache))
         return self.create_kv_cache_blocks((new_blocks,))
 
     def _admit(
@@ -309,6 +373,10 @@ class MepicKVCacheManager(KVCacheManager):
         num_new_private = sum(
             1 for i in range(n_hit, num_table) if i >= len(st.shared) or not st.shared[i]
         )
+        compile_tokens = sum(layout.spans[segs[0]].num_tokens for segs in new_chunks.values())
+        if compile_tokens > self._step_tokens_left or len(new_chunks) > self._step_seqs_left:
+            self.counters.admissions_deferred += 1  # this step's compile room is used up
+            return None
         free_hits = sum(1 for b in hits if b.ref_cnt == 0)
         need = num_new_private + new_chunk_blocks + free_hits
         protect = list(reused.values())
@@ -376,6 +444,9 @@ class MepicKVCacheManager(KVCacheManager):
             tuple(residency),
         )
         self._count_admission(st, residency)
+        self._step_tokens_left -= compile_tokens
+        self._step_seqs_left -= len(compiles)
+        self._step_compiles.extend((request.request_id, c) for c in compiles)
         return table[n_hit:]
 
     def _count_admission(self, st: _RequestState, residency: list[Residency]) -> None:
@@ -404,11 +475,11 @@ class MepicKVCacheManager(KVCacheManager):
         table.extend(new_blocks)
         return new_blocks
 
-    def _cache_private(self, request: Request, st: _RequestState, num_tokens: int) -> None:
+    def _cache_private(self, request: Request, st: _RequestState, padded_end: int) -> None:
         """Insert full private blocks into vLLM's prefix cache; canonical blocks stay out."""
         rid = request.request_id
         num_cached = self._single.num_cached_block.get(rid, 0)
-        num_full = min(num_tokens // self.mepic_block_size, len(request.block_hashes))
+        num_full = min(padded_end // self.mepic_block_size, len(request.block_hashes))
         if num_full <= num_cached:
             return
         mask = [not (i < len(st.shared) and st.shared[i]) for i in range(num_cached, num_full)]
@@ -428,7 +499,7 @@ class MepicKVCacheManager(KVCacheManager):
         if st is None:
             super().cache_blocks(request, num_computed_tokens)
         elif st.allocated and self.enable_caching:
-            self._cache_private(request, st, num_computed_tokens)
+            self._cache_private(request, st, st.padded_end(num_computed_tokens))
 
     # ---------------------------------------------------------------- steps and release
 
@@ -436,6 +507,9 @@ class MepicKVCacheManager(KVCacheManager):
         """The previous step ran: its compiles are in the cache and their scratch is free."""
         super().new_step_starts()
         self.chunk_cache.commit_pending()
+        self._step_tokens_left = self.compile_token_budget
+        self._step_seqs_left = self.compile_seq_budget
+        self._step_compiles = []
         for st in self._states.values():
             if st.scratch:
                 self.block_pool.free_blocks(st.scratch)

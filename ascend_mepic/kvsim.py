@@ -33,7 +33,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from ascend_mepic.kv_manager import MepicCapacityError, MepicKVCacheManager
 from ascend_mepic.markers import TextSegment, Tokenizer, tokenize_segments
-from ascend_mepic.segments import EXTRA_ARGS_KEY, Segment, SegmentKind, build_layout
+from ascend_mepic.segments import EXTRA_ARGS_KEY, Segment, SegmentKind
 
 PLACEMENTS = ("mepic", "private", "prefix")
 OUTPUT_KEYS = (
@@ -92,13 +92,10 @@ def make_request(
     cache_salt: str | None = None,
 ) -> Request:
     """A vLLM engine-core Request as the API layer would build it for this placement."""
+    token_ids = [t for s in segments for t in s.token_ids]
+    extra: dict[str, Any] | None = None
     if placement == "mepic":
-        layout = build_layout(segments, block_size)
-        token_ids = layout.padded_token_ids()
-        extra: dict[str, Any] | None = {EXTRA_ARGS_KEY: layout.segment_lengths()}
-    else:
-        token_ids = [t for s in segments for t in s.token_ids]
-        extra = None
+        extra = {EXTRA_ARGS_KEY: [[s.kind.value, len(s.token_ids)] for s in segments]}
     params = SamplingParams(max_tokens=max(1, max_tokens), extra_args=extra)
     return Request(
         request_id,

@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
@@ -25,6 +26,7 @@ from ascend_mepic.config import MepicConfig
 from ascend_mepic.identity import model_fingerprint
 from ascend_mepic.kv_manager import MepicKVCacheManager
 from ascend_mepic.segments import LayoutError
+from ascend_mepic.worker.token_map import COMPILE_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +59,35 @@ class MepicScheduler(Scheduler):
             hash_fn=get_hash_fn_by_name(self.cache_config.prefix_caching_hash_algo),
             model_fingerprint=model_fingerprint(model.model, str(model.dtype), model.revision),
         )
+        self._reserve_compile_room()
+        self._compiles_to_finish: set[str] = set()
         logger.info(
-            "MEPIC scheduling path on: block size %d, %d KV blocks",
+            "MEPIC scheduling path on: block size %d, %d KV blocks, compile room %d tokens / "
+            "%d sequences per step",
             self.block_size,
             old.kv_cache_config.num_blocks,
+            self.kv_cache_manager.compile_token_budget,
+            self.kv_cache_manager.compile_seq_budget,
         )
+
+    def _reserve_compile_room(self) -> None:
+        """Chunk compiles join the step as extra sequences: keep room for them in the budgets.
+
+        The model runner's buffers are sized by max_num_batched_tokens and max_num_seqs, so the
+        scheduler's own budgets shrink by the compile reserve instead.
+        """
+        fraction = self.mepic_config.compile_token_fraction
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"compile_token_fraction must be in (0, 1), got {fraction}")
+        tokens = int(self.max_num_scheduled_tokens * fraction)
+        seqs = max(1, self.max_num_running_reqs // 4)
+        if self.max_num_running_reqs - seqs < 1 or self.max_num_scheduled_tokens - tokens < 1:
+            raise ValueError("max_num_seqs / max_num_batched_tokens too small for MEPIC")
+        self.max_num_scheduled_tokens -= tokens
+        self.max_num_running_reqs -= seqs
+        manager = self.kv_cache_manager
+        assert isinstance(manager, MepicKVCacheManager)
+        manager.compile_token_budget, manager.compile_seq_budget = tokens, seqs
 
     @property
     def mepic_manager(self) -> MepicKVCacheManager | None:
@@ -83,6 +109,40 @@ class MepicScheduler(Scheduler):
             self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
             return
         super().add_request(request)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        output = super().schedule(*args, **kwargs)
+        if self.mepic_manager is not None:
+            self._add_compiles(output)
+        return output
+
+    def _add_compiles(self, output: SchedulerOutput) -> None:
+        """Run this step's chunk compiles as their own sequences in the same forward pass.
+
+        A compile is the chunk alone from position 0 in ``[scratch, canonical...]`` blocks; it is
+        not a vLLM request (the scheduler never tracks it) and the worker forgets it next step.
+        """
+        output.finished_req_ids |= self._compiles_to_finish
+        self._compiles_to_finish = set()
+        for request_id, compile_ in self.kv_cache_manager.take_step_compiles():
+            compile_id = f"mepic-compile-{compile_.chunk_id[:16]}-{request_id}"
+            n = len(compile_.token_ids)
+            params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={COMPILE_KEY: n})
+            output.scheduled_new_reqs.append(
+                NewRequestData(
+                    req_id=compile_id,
+                    prompt_token_ids=list(compile_.token_ids),
+                    mm_features=[],
+                    sampling_params=params,
+                    pooling_params=None,
+                    block_ids=(list(compile_.block_ids),),
+                    num_computed_tokens=0,
+                    lora_request=None,
+                )
+            )
+            output.num_scheduled_tokens[compile_id] = n
+            output.total_num_scheduled_tokens += n
+            self._compiles_to_finish.add(compile_id)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any):
         outputs = super().update_from_output(scheduler_output, model_runner_output)

@@ -33,7 +33,7 @@ def run(b) -> torch.Tensor:
     return npu.rope_paged_attention_npu(b.query, b.kv_cache, b.meta, b.rope, b.scale)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
     block_size=st.sampled_from([16, 32, 128]),
@@ -47,7 +47,7 @@ def test_composition_matches_dense_oracle_fp32(seed, block_size, heads, neox, de
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(npu, "get_npu_ops", lambda: ops)
         mp.setattr(npu, "FIA_DTYPES", FP32)
-        b = random_batch(seed, block_size, *heads, neox=neox, decode=decode)
+        b = random_batch(seed, block_size, *heads, neox=neox, decode=decode, max_segment=60)
         out = run(b)
     want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, neox, b.scale)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)

@@ -61,9 +61,12 @@ def _interpret_while_testing() -> Iterator[None]:
     with _interpret_env():
         yield
 
-gqa = st.sampled_from([(4, 4), (8, 2), (6, 3), (4, 1), (8, 1)])
-# Small segments keep the interpreter fast (a few hundred keys per sequence at most).
-MAX_SEGMENT = 60
+# The interpreter runs every program in Python: prefill cost grows with Hq, decode with Hkv, so
+# prefill draws few query heads and decode the large GQA groups (8, 16 rows padded to >= 16).
+prefill_heads = st.sampled_from([(2, 2), (4, 2), (3, 1), (4, 1)])
+decode_heads = st.sampled_from([(4, 4), (8, 2), (6, 3), (8, 1), (16, 1)])
+# Small segments keep the interpreter fast (at most a few hundred keys per sequence).
+MAX_SEGMENT = 40
 
 
 def run(b: Batch, **kwargs) -> torch.Tensor:
@@ -85,11 +88,11 @@ def check(out: torch.Tensor, b: Batch, tol: float) -> None:
 
 
 @interpreted
-@settings(max_examples=24, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
     block_size=st.sampled_from([16, 32, 128]),
-    heads=gqa,
+    heads=prefill_heads,
     neox=st.booleans(),
     block_m=st.sampled_from([16, 64]),
     sub_tiles=st.booleans(),
@@ -102,11 +105,11 @@ def test_prefill_matches_oracle_fp32(seed, block_size, heads, neox, block_m, sub
 
 
 @interpreted
-@settings(max_examples=24, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
     block_size=st.sampled_from([16, 32, 128]),
-    heads=gqa,
+    heads=decode_heads,
     neox=st.booleans(),
     num_splits=st.sampled_from([1, 2, 4]),
     sub_tiles=st.booleans(),
@@ -122,7 +125,7 @@ def test_decode_matches_oracle_fp32(seed, block_size, heads, neox, num_splits, s
 @interpreted
 @pytest.mark.parametrize("seed", range(2))
 def test_prefill_kernel_on_decode_batch(seed):
-    b = random_batch(seed, 16, 8, 2, decode=True, max_segment=MAX_SEGMENT)
+    b = random_batch(seed, 16, 4, 2, decode=True, max_segment=MAX_SEGMENT)
     check(run(b, kernel="prefill"), b, 1e-5)
 
 
@@ -130,7 +133,7 @@ def test_prefill_kernel_on_decode_batch(seed):
 @pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision(dtype, decode):
-    b = random_batch(7, 32, 8, 2, dtype=dtype, decode=decode, max_segment=MAX_SEGMENT)
+    b = random_batch(7, 32, 4, 2, dtype=dtype, decode=decode, max_segment=MAX_SEGMENT)
     check(run(b), b, 2e-2)
 
 
@@ -139,7 +142,7 @@ def test_half_precision(dtype, decode):
 @pytest.mark.parametrize("decode", [False, True])
 def test_head_dims(head, decode):
     """Power-of-two and padded (48: halves of 24 padded to 32; 16: halves padded to 16) dims."""
-    b = random_batch(head, 16, 4, 2, head=head, num_seqs=2, decode=decode, max_segment=40)
+    b = random_batch(head, 16, 4, 2, head=head, num_seqs=2, decode=decode, max_segment=30)
     check(run(b), b, 1e-5)
 
 
@@ -189,7 +192,7 @@ def nan_outside_real_slots(b: Batch) -> Batch:
 @pytest.mark.parametrize("decode", [False, True])
 def test_pad_slots_are_never_read(decode):
     """Pad slots of allocated blocks may hold garbage (even NaN) without touching the result."""
-    b = nan_outside_real_slots(random_batch(5, 32, 8, 2, decode=decode, max_segment=MAX_SEGMENT))
+    b = nan_outside_real_slots(random_batch(5, 32, 4, 2, decode=decode, max_segment=MAX_SEGMENT))
     out = run(b, num_splits=2) if decode else run(b)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, reference(b), atol=1e-5, rtol=1e-5)
@@ -200,7 +203,7 @@ def test_pad_slots_are_never_read(decode):
 @pytest.mark.parametrize("neox", [False, True])
 def test_apply_rope_false_is_attention_without_rotation(decode, neox):
     """The benchmark's no-RoPE variant equals the reference with an identity rotation."""
-    b = random_batch(3, 16, 8, 2, neox=neox, decode=decode, max_segment=MAX_SEGMENT)
+    b = random_batch(3, 16, 4, 2, neox=neox, decode=decode, max_segment=MAX_SEGMENT)
     cache = b.rope.cos_sin_cache
     half = cache.shape[1] // 2
     identity = torch.cat((torch.ones(cache.shape[0], half), torch.zeros(cache.shape[0], half)), 1)
