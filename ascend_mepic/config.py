@@ -12,10 +12,15 @@ from typing import Any
 from ascend_mepic.markers import DEFAULT_BEGIN, DEFAULT_END
 from ascend_mepic.segments import DEFAULT_PAD_TOKEN_ID
 
+POLICIES = ("mepic", "full")
+
 
 @dataclass(frozen=True)
 class MepicConfig:
     enabled: bool = True
+    # "mepic": share chunk KV, recompute each chunk's first block in context.
+    # "full": ignore segments and compute every token (the accuracy reference).
+    policy: str = "mepic"
     pad_token_id: int = DEFAULT_PAD_TOKEN_ID
     chunk_begin: str = DEFAULT_BEGIN
     chunk_end: str = DEFAULT_END
@@ -33,4 +38,7 @@ class MepicConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"unknown MEPIC option(s) {unknown}; known: {sorted(known)}")
-        return cls(**raw)
+        config = cls(**raw)
+        if config.policy not in POLICIES:
+            raise ValueError(f"unknown MEPIC policy {config.policy!r}; choose from {POLICIES}")
+        return config

@@ -17,6 +17,7 @@ bookkeeping work unchanged. Only full-attention models with a single KV cache gr
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,13 @@ from vllm.v1.utils import ConstantList
 from ascend_mepic.chunk_cache import ChunkCache, ChunkEntry, ChunkState
 from ascend_mepic.identity import ChunkId, chunk_identity
 from ascend_mepic.plan import ChunkCompile, RequestPlan, Residency
-from ascend_mepic.segments import EXTRA_ARGS_KEY, BlockKind, Layout, layout_from_real
+from ascend_mepic.segments import (
+    EXTRA_ARGS_KEY,
+    IN_CONTEXT_KEY,
+    BlockKind,
+    Layout,
+    layout_from_real,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +147,8 @@ class MepicKVCacheManager(KVCacheManager):
         self._step_tokens_left = self.compile_token_budget
         self._step_seqs_left = self.compile_seq_budget
         self._step_compiles: list[tuple[str, ChunkCompile]] = []
+        # Recent admissions' chunk block ids, for operators and tests (bounded).
+        self.recent_chunk_blocks: deque[tuple[str, list[list[int]]]] = deque(maxlen=1024)
         self.mepic_block_size = self._single.block_size
 
     @staticmethod
@@ -222,6 +231,7 @@ class MepicKVCacheManager(KVCacheManager):
         # Layout-keyed hashes of the prompt's full blocks; decode blocks are not prefix-cached.
         request.block_hashes = mepic_block_hashes(layout, padded, self.hash_fn, request.cache_salt)
         request.max_tokens = min(request.max_tokens, room)
+        extra[IN_CONTEXT_KEY] = True  # tells the worker the prompt is in in-context form
         self._states[request.request_id] = _RequestState(
             layout, chunk_ids, shared, compact_slots, compact_before
         )
@@ -444,6 +454,15 @@ class MepicKVCacheManager(KVCacheManager):
             tuple(residency),
         )
         self._count_admission(st, residency)
+        self.recent_chunk_blocks.append(
+            (
+                request.request_id,
+                [
+                    [b.block_id for b in table[sp.first_block : sp.first_block + sp.num_blocks]]
+                    for sp in layout.chunk_spans
+                ],
+            )
+        )
         self._step_tokens_left -= compile_tokens
         self._step_seqs_left -= len(compiles)
         self._step_compiles.extend((request.request_id, c) for c in compiles)

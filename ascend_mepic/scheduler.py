@@ -25,8 +25,7 @@ from vllm.v1.request import Request, RequestStatus
 from ascend_mepic.config import MepicConfig
 from ascend_mepic.identity import model_fingerprint
 from ascend_mepic.kv_manager import MepicKVCacheManager
-from ascend_mepic.segments import LayoutError
-from ascend_mepic.worker.token_map import COMPILE_KEY
+from ascend_mepic.segments import COMPILE_KEY, LayoutError
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +95,11 @@ class MepicScheduler(Scheduler):
 
     def add_request(self, request: Request) -> None:
         manager = self.mepic_manager
-        if manager is None or request.request_id in self.requests:
+        if (
+            manager is None
+            or self.mepic_config.policy == "full"
+            or request.request_id in self.requests
+        ):
             super().add_request(request)
             return
         try:

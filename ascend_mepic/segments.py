@@ -22,8 +22,13 @@ from functools import cached_property
 # Stored in pad slots of vLLM's token ids. Its value never matters: pads are masked everywhere.
 DEFAULT_PAD_TOKEN_ID = 0
 
-# Key under SamplingParams.extra_args carrying [[kind, num_real_tokens], ...] for a padded prompt.
+# SamplingParams.extra_args keys of the request protocol between API, scheduler and worker:
+# [[kind, num_real_tokens], ...] for a prompt sent as its real tokens,
 EXTRA_ARGS_KEY = "mepic_segments"
+# set by the scheduler once it rewrote the engine request to its in-context tokens,
+IN_CONTEXT_KEY = "mepic_in_context"
+# the token count of a chunk compile (an extra sequence the scheduler adds to a step).
+COMPILE_KEY = "mepic_compile"
 
 
 class LayoutError(ValueError):
@@ -240,40 +245,6 @@ def parse_segment_lengths(raw: object) -> list[tuple[SegmentKind, int]]:
             raise LayoutError(f"{EXTRA_ARGS_KEY}[{i}] length must be an int >= 0, got {length!r}")
         out.append((seg_kind, length))
     return out
-
-
-def padded_length(lengths: Sequence[tuple[SegmentKind, int]], block_size: int) -> int:
-    """Padded prompt length implied by segment lengths (the last segment is unpadded)."""
-    total = 0
-    for i, (_kind, n) in enumerate(lengths):
-        total += n if i == len(lengths) - 1 else -(-n // block_size) * block_size
-    return total
-
-
-def layout_from_padded(
-    padded_token_ids: Sequence[int], segment_lengths: object, block_size: int
-) -> Layout:
-    """Rebuild and validate a layout from vLLM's (padded) prompt tokens plus the segment lengths.
-
-    This is how the scheduler recovers a request's segments: the API layer sends padded token
-    ids and ``extra_args[EXTRA_ARGS_KEY]``.
-    """
-    lengths = parse_segment_lengths(segment_lengths)
-    expected = padded_length(lengths, block_size)
-    if expected != len(padded_token_ids):
-        raise LayoutError(
-            f"prompt has {len(padded_token_ids)} tokens but segments {segment_lengths!r} "
-            f"need {expected} padded tokens at block size {block_size}"
-        )
-    segments: list[Segment] = []
-    offset = 0
-    for i, (kind, n) in enumerate(lengths):
-        width = n if i == len(lengths) - 1 else -(-n // block_size) * block_size
-        piece = padded_token_ids[offset : offset + width]
-        real = piece[width - n :] if kind is SegmentKind.CHUNK else piece[:n]
-        segments.append(Segment(kind, tuple(real)))
-        offset += width
-    return build_layout(segments, block_size)
 
 
 def layout_from_lengths(

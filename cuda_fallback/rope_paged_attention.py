@@ -170,9 +170,7 @@ def _attend_kv(
         l_i = l_i * alpha + tl.sum(p, 1)
         # Pad slots may hold anything (uninitialised blocks): never load them, 0 * NaN is NaN.
         v_rows = v_ptr + blk * stride_vb + slot.to(tl.int64) * stride_vs + kv_off
-        v = tl.load(
-            v_rows[:, None] + d[None, :], mask=real[:, None] & (d < D)[None, :], other=0.0
-        )
+        v = tl.load(v_rows[:, None] + d[None, :], mask=real[:, None] & (d < D)[None, :], other=0.0)
         acc = acc * alpha[:, None]
         if DOT_FP32:
             acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -397,8 +395,14 @@ def _int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device=device, dtype=torch.int32).contiguous()
 
 
-def _prefill_tiles(query_start_loc: torch.Tensor, block_m: int) -> tuple[torch.Tensor, ...]:
-    """Host map tile -> (sequence, first query row); heaviest (last) tiles first for balance."""
+def prefill_tiles(
+    query_start_loc: torch.Tensor, block_m: int = 64, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill grid's map tile -> (sequence, first query row), heaviest (last) tiles first.
+
+    Built on the host (it sets the grid size). From a device ``query_start_loc`` this syncs, so a
+    runner should build it once per step from its CPU copy and pass it to every layer's call.
+    """
     loc = query_start_loc.to("cpu", torch.int64)
     counts = loc[1:] - loc[:-1]
     per_seq = (counts + block_m - 1) // block_m
@@ -406,7 +410,8 @@ def _prefill_tiles(query_start_loc: torch.Tensor, block_m: int) -> tuple[torch.T
     first_tile = torch.cumsum(per_seq, 0) - per_seq
     within = torch.arange(seqs.numel()) - first_tile[seqs]
     rows = loc[seqs] + within * block_m
-    return seqs.flip(0).to(torch.int32), rows.flip(0).to(torch.int32)
+    target = query_start_loc.device if device is None else device
+    return seqs.flip(0).to(target, torch.int32), rows.flip(0).to(target, torch.int32)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -474,11 +479,13 @@ def rope_paged_attention_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Fused-RoPE paged attention; same contract and result as the torch reference.
 
     ``kernel`` forces ``"prefill"`` or ``"decode"`` (default: decode when
-    ``meta.max_query_len <= 1``, trusted as given). ``apply_rope=False`` skips all rotation and
+    ``meta.max_query_len <= 1``, trusted as given). ``tiles`` is ``prefill_tiles(loc, block_m)``
+    precomputed (else built here, a host sync). ``apply_rope=False`` skips all rotation and
     ``block_m``/``block_n``/``num_splits`` override tile sizes and decode splits (benchmarks and
     tests only).
     """
@@ -568,7 +575,9 @@ def rope_paged_attention_triton(
         block_m = 64
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m {block_m} must be a power of two >= 16")
-    tile_seq, tile_row = (x.to(device) for x in _prefill_tiles(meta.query_start_loc, block_m))
+    if tiles is None:
+        tiles = prefill_tiles(meta.query_start_loc, block_m, device)
+    tile_seq, tile_row = (_int32(x, device) for x in tiles)
     _prefill_kernel[(tile_seq.numel(), hq)](
         query, out, k, v, cos_sin, tile_seq, tile_row, *metas, *strides, qk_scale,
         GROUP=group, BLOCK_M=block_m, **common, num_warps=4, num_stages=2,

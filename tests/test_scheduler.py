@@ -60,7 +60,12 @@ def mepic_request(rid, segments, hasher, salt=None, extra=None):
         max_tokens=4, extra_args=extra or {EXTRA_ARGS_KEY: layout.segment_lengths()}
     )
     return Request(
-        rid, layout.padded_token_ids(), params, None, cache_salt=salt, block_hasher=hasher
+        rid,
+        [t for seg in layout.segments for t in seg.token_ids],
+        params,
+        None,
+        cache_salt=salt,
+        block_hasher=hasher,
     )
 
 
@@ -96,10 +101,18 @@ def test_schedule_shares_chunk_blocks_and_rejects_bad_requests(tiny_model):
     assert huge.status is RequestStatus.FINISHED_ERROR
     out = sched.schedule()
     tables = {r.req_id: r.block_ids[0] for r in out.scheduled_new_reqs}
-    assert set(tables) == {"a", "b"}
+    (compile_id,) = set(tables) - {"a", "b"}
+    assert compile_id.startswith("mepic-compile-") and set(tables) - {compile_id} == {"a", "b"}
+    # The chunk is compiled once, alone, in [scratch, canonical...] within the same step.
+    compile_req = next(r for r in out.scheduled_new_reqs if r.req_id == compile_id)
+    assert compile_req.prompt_token_ids == list(range(10, 110))
+    assert out.num_scheduled_tokens[compile_id] == 100
+    # In-context tokens only: a's prompt (3), the chunk's first block (100 - 96 = 4), final (2).
+    assert out.num_scheduled_tokens["a"] == 3 + 4 + 2
     sa = sched.kv_cache_manager.get_plan("a").layout.spans[1]
     sb = sched.kv_cache_manager.get_plan("b").layout.spans[1]
     shared_a = tables["a"][sa.first_block + 1 : sa.first_block + 4]
+    assert tables[compile_id][1:] == shared_a
     assert shared_a == tables["b"][sb.first_block + 1 : sb.first_block + 4]
     assert tables["a"][sa.first_block] != tables["b"][sb.first_block]
     # The rejected requests come back to the client as errors; the others keep running.
@@ -114,6 +127,7 @@ def test_schedule_shares_chunk_blocks_and_rejects_bad_requests(tiny_model):
     sched.add_request(c)
     out = sched.schedule()
     assert [r.req_id for r in out.scheduled_new_reqs] == ["c"]
+    assert compile_id in out.finished_req_ids  # the worker forgets the compile
     assert sched.kv_cache_manager.get_plan("c").compiles == ()
     assert sched.kv_cache_manager.metrics()["chunk_misses"] == 1
     sched.finish_requests(["a", "b", "c"], RequestStatus.FINISHED_ABORTED)

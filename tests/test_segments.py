@@ -12,7 +12,7 @@ from ascend_mepic.segments import (
     Segment,
     SegmentKind,
     build_layout,
-    layout_from_padded,
+    layout_from_real,
 )
 
 tokens = st.lists(st.integers(1, 5000), min_size=1, max_size=80)
@@ -50,7 +50,7 @@ def test_layout_invariants(segments, bs):
         elif span.segment < len(segments) - 1:
             assert (span.num_tokens + span.pad) % bs == 0
     # Round trip through vLLM's token ids plus the extra_args description.
-    again = layout_from_padded(layout.padded_token_ids(), layout.segment_lengths(), bs)
+    again = layout_from_real(flat, layout.segment_lengths(), bs)
     assert again.blocks == layout.blocks and again.segments == layout.segments
 
 
@@ -83,10 +83,12 @@ def test_layout_errors():
         build_layout([Segment.prompt([1]), Segment.chunk([2])], 4)
     with pytest.raises(LayoutError, match="empty"):
         build_layout([Segment.chunk([]), Segment.prompt([1])], 4)
-    with pytest.raises(LayoutError, match="need"):
-        layout_from_padded([1, 2, 3], [["chunk", 2], ["prompt", 1]], 4)
+    with pytest.raises(LayoutError, match="sum to"):
+        layout_from_real([1, 2, 3], [["chunk", 2], ["prompt", 2]], 4)
     with pytest.raises(LayoutError, match="kind"):
-        layout_from_padded([1, 2], [["doc", 1], ["prompt", 1]], 1)
+        layout_from_real([1, 2], [["doc", 1], ["prompt", 1]], 1)
+    with pytest.raises(LayoutError, match="length"):
+        layout_from_real([1, 2], [["chunk", -1], ["prompt", 3]], 1)
 
 
 def test_example_layout():

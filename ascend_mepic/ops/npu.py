@@ -7,8 +7,8 @@ Per sequence (a host loop over sequences, never over tokens): gather the sequenc
 from the NoPE cache with ``index_select``, rotate K at each slot's logical position and Q at its
 own with ``torch_npu.npu_rotary_mul``, and run ``torch_npu.npu_fused_infer_attention_score`` with a
 boolean mask that hides pad slots and keys after the query in padded order. Pads are masked, not
-dropped: the key length stays ``num_blocks * block_size`` (16-aligned, as the op prefers) and no
-data-dependent shape or host sync is needed per sequence.
+dropped (and zeroed, since they may hold NaN): the key length stays ``num_blocks * block_size``
+(16-aligned, as the op prefers) and no data-dependent shape or host sync is needed per sequence.
 
 Assumed torch_npu semantics (op-plugin docs ``torch_npu-npu_rotary_mul.md`` and
 ``torch_npu-npu_fused_infer_attention_score.md``, Atlas A2 = 910B):
@@ -156,10 +156,13 @@ def rope_paged_attention_npu(
         if q0 == q1:
             continue
         ids = meta.block_tables[s, :nb].long()
-        k = kv_cache[0].index_select(0, ids).reshape(1, nb * bs, hkv, d)
-        v = kv_cache[1].index_select(0, ids).reshape(1, nb * bs, hkv, d)
         start = meta.block_valid_start[s, :nb, None]
         real = ((slot >= start) & (slot < meta.block_valid_end[s, :nb, None])).flatten()
+        # Pad slots may hold anything, NaN included (never-written blocks); a masked score still
+        # multiplies its V by 0, and 0 * NaN is NaN, so zero them in the gathered copy.
+        keep = real.view(1, nb * bs, 1, 1)
+        k = torch.where(keep, kv_cache[0].index_select(0, ids).reshape(1, nb * bs, hkv, d), 0)
+        v = torch.where(keep, kv_cache[1].index_select(0, ids).reshape(1, nb * bs, hkv, d), 0)
         # Pad slots get a clamped in-range position; the mask hides them anyway.
         kpos = (meta.block_first_pos[s, :nb, None] + slot - start).flatten().clamp(0, max_pos)
         k = _rotate(ops, k, kpos, cache, neox).to(attn_dtype).contiguous()

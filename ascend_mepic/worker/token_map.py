@@ -15,9 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from ascend_mepic.segments import EXTRA_ARGS_KEY, SegmentKind, layout_from_lengths
-
-COMPILE_KEY = "mepic_compile"
+from ascend_mepic.segments import (
+    COMPILE_KEY,
+    EXTRA_ARGS_KEY,
+    IN_CONTEXT_KEY,
+    SegmentKind,
+    layout_from_lengths,
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class TokenMap:
                 allow_trailing_chunk=True,
             )
             slots = layout.real_slots()
-        elif EXTRA_ARGS_KEY in extra:
+        elif extra.get(IN_CONTEXT_KEY) and EXTRA_ARGS_KEY in extra:
             layout = layout_from_lengths(extra[EXTRA_ARGS_KEY], block_size)
             slots = layout.in_context_slots()
         else:

@@ -175,7 +175,8 @@ class NpuOpsDouble:
         scores = scores * scale
         if atten_mask is not None:
             hidden = _mask_bnqk(atten_mask, b, q_s, kv_s)
-            scores = scores.masked_fill(hidden, float("-inf"))
+            # Additive, as a kernel may apply it: a NaN score stays NaN even where masked.
+            scores = scores + torch.zeros_like(scores).masked_fill(hidden, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
         probs = torch.softmax(scores, dim=-1)
         dead = torch.isneginf(scores).all(dim=-1, keepdim=True)

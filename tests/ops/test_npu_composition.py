@@ -86,6 +86,24 @@ def test_call_shapes_follow_documented_forms(double):
             assert kw["k"][1] % 16 == 0
 
 
+@pytest.mark.parametrize("decode", [False, True])
+def test_pad_slots_may_hold_nan(double, decode):
+    """Never-written cache slots (pads, unused blocks) may be NaN without touching the result."""
+    b = random_batch(9, 32, 8, 2, decode=decode, dtype=torch.float16)
+    want = run(b)
+    m = b.meta
+    real = torch.zeros(b.kv_cache.shape[1:3], dtype=torch.bool)
+    for s in range(m.num_seqs):
+        for j in range(int(m.num_blocks[s])):
+            blk = int(m.block_tables[s, j])
+            real[blk, int(m.block_valid_start[s, j]) : int(m.block_valid_end[s, j])] = True
+    assert not real.all()
+    b.kv_cache[:, ~real] = float("nan")
+    out = run(b)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want)
+
+
 def test_dispatch_to_npu(double, monkeypatch):
     b = random_batch(7, 32, 4, 2, dtype=torch.float16)
     monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", "npu")

@@ -1,0 +1,254 @@
+"""GPU: the Triton fused-RoPE paged attention vs itself without RoPE vs torch SDPA (flash).
+
+What it measures, for a 7B-like layer (32 query heads, 8 KV heads, head 128, bf16 by default) at
+several contexts and block sizes, in prefill (every token of a sequence queries, causal) and decode
+(one query per sequence, a batch of sequences):
+
+(a) ``rope_paged_attention_triton``: K un-rotated in the paged cache ``[2, blocks, B, Hkv, D]``
+    (block ids shuffled), rotated in registers at read time, Q rotated in the kernel;
+(b) the same kernel with ``apply_rope=False``: no rotation at all, so (a)/(b) is the price of
+    read-time RoPE inside our own kernel;
+(c) ``scaled_dot_product_attention`` restricted to the flash backend, over contiguous,
+    pre-rotated Q and K (what a stock engine would read): the distance to a production kernel.
+    If the flash backend refuses GQA here, K/V are expanded to all query heads first (noted).
+
+The cos/sin cache is in the model dtype, as vLLM's rotary forward uses it. Before timing, (a) is
+checked against (c) (max abs diff; both are bf16 results of the same math). Timing: ``warmup``
+calls, then the median of ``repeat`` calls timed with ``torch.cuda.Event``; the L2 cache is flushed
+(a 256 MiB write) before each timed call unless ``--no-flush``. Prefill's tile map is built once
+outside the timed call, as a runner would once per step. Decode reports achieved bandwidth: bytes
+of K and V read (``batch * context * Hkv * D * 2 * itemsize``) over time, as a fraction of
+``--peak-gbps`` (default: H100 SXM, 3350 GB/s). Nothing about time is asserted.
+
+Needs a CUDA GPU; exits with a message otherwise. It has not been run yet (written on a machine
+without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # cuda_fallback is not installed
+
+from ascend_mepic.ops.metadata import SequenceSpec, build_metadata  # noqa: E402
+from ascend_mepic.ops.rope import RopeSpec, apply_rope, default_cos_sin_cache  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Max abs diff between (a) and (c) above which a row is flagged (bf16 outputs of softmax @ V).
+TOLERANCE = 3e-2
+
+Timer = Callable[[Callable[[], object]], float]
+
+
+@dataclass
+class Case:
+    phase: str
+    context: int
+    block_size: int
+    batch: int
+    fused: Callable[[], torch.Tensor]
+    no_rope: Callable[[], torch.Tensor]
+    sdpa: Callable[[], torch.Tensor]
+    sdpa_note: str
+    kv_bytes: int
+    flops: float
+
+
+def make_case(
+    args: argparse.Namespace, phase: str, context: int, block_size: int, device: torch.device
+) -> Case:
+    """Random Q/K/V laid out twice: paged un-rotated (ours) and contiguous pre-rotated (SDPA)."""
+    from cuda_fallback.rope_paged_attention import prefill_tiles, rope_paged_attention_triton
+
+    dtype = DTYPES[args.dtype]
+    hq, hkv, d = args.heads, args.kv_heads, args.head_size
+    batch = args.prefill_batch if phase == "prefill" else args.decode_batch
+    gen = torch.Generator(device=device).manual_seed(0)
+    nb = -(-context // block_size)
+    ids = (torch.randperm(batch * nb, generator=torch.Generator().manual_seed(0)) + 1).view(
+        batch, nb
+    )
+    kv_cache = torch.randn(
+        2, batch * nb + 1, block_size, hkv, d, generator=gen, dtype=dtype, device=device
+    )
+    queries = range(context) if phase == "prefill" else [context - 1]
+    specs = [
+        SequenceSpec(
+            block_ids=ids[s].tolist(),
+            block_first_pos=[j * block_size for j in range(nb)],
+            block_valid_start=[0] * nb,
+            block_valid_end=[min(block_size, context - j * block_size) for j in range(nb)],
+            query_indices=list(queries),
+            query_positions=list(queries),
+        )
+        for s in range(batch)
+    ]
+    meta = build_metadata(specs, block_size, device)
+    cos_sin = default_cos_sin_cache(d, context, args.rope_base, device=device).to(dtype)
+    rope = RopeSpec.from_cache(cos_sin, is_neox_style=True)
+    lq = len(queries)
+    query = torch.randn(batch * lq, hq, d, generator=gen, dtype=dtype, device=device)
+    scale = d**-0.5
+
+    # Contiguous pre-rotated copies [batch, H, L, D] for SDPA (built outside any timing).
+    flat = ids.to(device).reshape(-1)
+    k = kv_cache[0, flat].reshape(batch, nb * block_size, hkv, d)[:, :context]
+    v = kv_cache[1, flat].reshape(batch, nb * block_size, hkv, d)[:, :context]
+    pos = torch.arange(context, device=device)
+    k_rot = torch.stack([apply_rope(k[s], pos, rope) for s in range(batch)])
+    q_rot = apply_rope(query, meta.query_positions, rope).view(batch, lq, hq, d)
+    q_sd, k_sd = q_rot.transpose(1, 2).contiguous(), k_rot.transpose(1, 2).contiguous()
+    v_sd = v.transpose(1, 2).contiguous()
+    del k, v, k_rot, q_rot
+
+    tiles = prefill_tiles(meta.query_start_loc, 64, device) if phase == "prefill" else None
+
+    def fused() -> torch.Tensor:
+        return rope_paged_attention_triton(query, kv_cache, meta, rope, scale, tiles=tiles)
+
+    def no_rope() -> torch.Tensor:
+        return rope_paged_attention_triton(
+            query, kv_cache, meta, rope, scale, apply_rope=False, tiles=tiles
+        )
+
+    causal = phase == "prefill"
+
+    def sdpa_gqa() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(
+                q_sd, k_sd, v_sd, is_causal=causal, scale=scale, enable_gqa=True
+            )
+
+    note = "flash, native GQA"
+    sdpa = sdpa_gqa
+    try:
+        sdpa_gqa()
+    except RuntimeError:
+        k_x, v_x = (t.repeat_interleave(hq // hkv, dim=1) for t in (k_sd, v_sd))
+
+        def sdpa_expanded() -> torch.Tensor:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q_sd, k_x, v_x, is_causal=causal, scale=scale)
+
+        note, sdpa = "flash, K/V expanded to Hq", sdpa_expanded
+
+    def sdpa_rows() -> torch.Tensor:  # [T, Hq, D] like ours
+        return sdpa().transpose(1, 2).reshape(batch * lq, hq, d)
+
+    kv_bytes = batch * context * hkv * d * 2 * kv_cache.element_size()
+    flops = 4.0 * batch * hq * d * (context * (context + 1) / 2 if causal else context)
+    return Case(phase, context, block_size, batch, fused, no_rope, sdpa_rows, note, kv_bytes, flops)
+
+
+def cuda_timer(warmup: int, repeat: int, flush: bool) -> Timer:
+    scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush else None
+
+    def time_ms(fn: Callable[[], object]) -> float:
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeat)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeat)]
+        for start, end in zip(starts, ends, strict=True):
+            if scratch is not None:
+                scratch.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+    return time_ms
+
+
+def run_case(case: Case, timer: Timer, peak_gbps: float) -> dict[str, str]:
+    diff = (case.fused().float() - case.sdpa().float()).abs().max().item()
+    t_fused, t_plain, t_sdpa = timer(case.fused), timer(case.no_rope), timer(case.sdpa)
+
+    def perf(ms: float) -> str:
+        if case.phase == "decode":
+            gbps = case.kv_bytes / (ms * 1e-3) / 1e9
+            return f"{gbps:.0f} GB/s ({gbps / peak_gbps:.0%})"
+        return f"{case.flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s"
+
+    return {
+        "phase": case.phase,
+        "context": str(case.context),
+        "B": str(case.block_size),
+        "batch": str(case.batch),
+        "fused RoPE ms": f"{t_fused:.3f}",
+        "no RoPE ms": f"{t_plain:.3f}",
+        "SDPA ms": f"{t_sdpa:.3f}",
+        "fused/no RoPE": f"{t_fused / t_plain:.2f}",
+        "fused/SDPA": f"{t_fused / t_sdpa:.2f}",
+        "fused perf": perf(t_fused),
+        "no-RoPE perf": perf(t_plain),
+        "SDPA perf": perf(t_sdpa),
+        "SDPA": case.sdpa_note,
+        "max abs diff": f"{diff:.1e}" + (" MISMATCH" if not diff <= TOLERANCE else ""),
+    }
+
+
+def markdown(rows: list[dict[str, str]]) -> str:
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(r[c] for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--phases", nargs="+", choices=["prefill", "decode"], default=["prefill", "decode"]
+    )
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 128])
+    p.add_argument("--prefill-batch", type=int, default=1)
+    p.add_argument("--decode-batch", type=int, default=16)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--rope-base", type=float, default=10000.0)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--no-flush", action="store_true", help="do not flush L2 between calls")
+    p.add_argument("--peak-gbps", type=float, default=3350.0, help="HBM peak (H100 SXM: 3350)")
+    args = p.parse_args()
+
+    if not torch.cuda.is_available():
+        sys.exit(
+            "bench_triton_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); the "
+            "kernels' CPU check is tests/ops/test_triton.py under TRITON_INTERPRET=1"
+        )
+    device = torch.device("cuda")
+    timer = cuda_timer(args.warmup, args.repeat, not args.no_flush)
+    print(
+        f"# {torch.cuda.get_device_name(device)}, {args.dtype}, Hq {args.heads}, "
+        f"Hkv {args.kv_heads}, D {args.head_size}; median of {args.repeat} calls",
+        flush=True,
+    )
+    rows = []
+    for phase in args.phases:
+        for context in args.contexts:
+            for block_size in args.block_sizes:
+                case = make_case(args, phase, context, block_size, device)
+                rows.append(run_case(case, timer, args.peak_gbps))
+                print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+                del case
+                torch.cuda.empty_cache()
+    print()
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Run the real vLLM engine on a JSON job in a fresh process and print JSON results.
+
+Tests start one process per engine configuration, so vLLM's process-global state (registered
+backends, custom ops) never leaks between configurations.
+
+Job: {"model", "mepic": bool, "policy": str|null, "block_size", "max_model_len", "batches":
+[[{"segments": [[kind, [ids...]], ...], "salt": str|null}, ...], ...], "max_tokens",
+"logprobs"}. Each batch is one ``generate`` call, run in order on the same engine.
+"""
+
+import json
+import sys
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+
+    from ascend_mepic.offline import generate_segments, mepic_llm_kwargs
+    from ascend_mepic.segments import Segment, SegmentKind
+
+    kwargs = {}
+    if job["mepic"]:
+        options = {"policy": job["policy"]} if job.get("policy") else {}
+        kwargs = mepic_llm_kwargs(**options)
+    llm = LLM(
+        model=job["model"],
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=job.get("max_model_len", 1024),
+        block_size=job.get("block_size", 32),
+        seed=0,
+        **kwargs,
+    )
+    params = SamplingParams(
+        temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=job.get("logprobs", 5)
+    )
+    results = []
+    for batch in job["batches"]:
+        reqs = [[Segment(SegmentKind(k), tuple(ids)) for k, ids in r["segments"]] for r in batch]
+        salts = [r.get("salt") for r in batch]
+        if job["mepic"]:
+            outs = generate_segments(llm, reqs, params, salts)
+        else:
+            prompts = [{"prompt_token_ids": [t for s in r for t in s.token_ids]} for r in reqs]
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append(
+            [
+                {
+                    "tokens": list(o.outputs[0].token_ids),
+                    "finish": o.outputs[0].finish_reason,
+                    "logprobs": [
+                        {str(t): v.logprob for t, v in d.items()} for d in o.outputs[0].logprobs
+                    ],
+                }
+                for o in outs
+            ]
+        )
+    info = {}
+    if job["mepic"]:
+        core = llm.llm_engine.engine_core.engine_core
+        manager = core.scheduler.kv_cache_manager
+        if hasattr(manager, "metrics"):
+            info = {"metrics": manager.metrics(), "chunk_blocks": list(manager.recent_chunk_blocks)}
+    print("RESULT" + json.dumps({"batches": results, **info}))
+
+
+if __name__ == "__main__":
+    main()
