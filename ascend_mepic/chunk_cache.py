@@ -140,6 +140,8 @@ class ChunkCache:
         entry.pinned = True
 
     def unpin(self, entry: ChunkEntry) -> None:
+        if not entry.pinned:
+            return
         entry.pinned = False
         if entry.refs == 0:
             self.lru.add(entry)

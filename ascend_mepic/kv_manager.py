@@ -34,6 +34,7 @@ from ascend_mepic.plan import ChunkCompile, RequestPlan, Residency
 from ascend_mepic.segments import (
     EXTRA_ARGS_KEY,
     IN_CONTEXT_KEY,
+    PIN_KEY,
     BlockKind,
     Layout,
     layout_from_real,
@@ -72,6 +73,7 @@ class _RequestState:
     entries: list[ChunkEntry] = field(default_factory=list)  # acquired, one per occurrence
     scratch: list[KVCacheBlock] = field(default_factory=list)
     plan: RequestPlan | None = None
+    pin: bool = False  # pin this request's chunks once allocated (explicit chunk API)
 
     @property
     def allocated(self) -> bool:
@@ -233,9 +235,34 @@ class MepicKVCacheManager(KVCacheManager):
         request.max_tokens = min(request.max_tokens, room)
         extra[IN_CONTEXT_KEY] = True  # tells the worker the prompt is in in-context form
         self._states[request.request_id] = _RequestState(
-            layout, chunk_ids, shared, compact_slots, compact_before
+            layout, chunk_ids, shared, compact_slots, compact_before, pin=bool(extra.get(PIN_KEY))
         )
         return True
+
+    def unpin_chunks(self, request: Request) -> int:
+        """Unpin the chunks of a control request (its segments name them); returns how many.
+
+        Unpinned chunks stay resident and follow the LRU like any idle chunk.
+        """
+        extra = request.sampling_params.extra_args if request.sampling_params else None
+        layout = layout_from_real(
+            list(request.prompt_token_ids or []),
+            (extra or {}).get(EXTRA_ARGS_KEY),
+            self.mepic_block_size,
+        )
+        count = 0
+        for span in layout.chunk_spans:
+            chunk_id = chunk_identity(
+                layout.chunk_tokens(span),
+                layout.block_size,
+                self.model_fingerprint,
+                request.cache_salt,
+            )
+            entry = self.chunk_cache.lookup(chunk_id)
+            if entry is not None and entry.pinned:
+                self.chunk_cache.unpin(entry)
+                count += 1
+        return count
 
     def _check_compile_budget(self, layout: Layout, chunk_ids: dict[int, ChunkId | None]) -> None:
         unique = {cid: span for span in layout.chunk_spans if (cid := chunk_ids[span.segment])}
@@ -463,6 +490,9 @@ class MepicKVCacheManager(KVCacheManager):
                 ],
             )
         )
+        if st.pin:
+            for entry in st.entries:
+                self.chunk_cache.pin(entry)
         self._step_tokens_left -= compile_tokens
         self._step_seqs_left -= len(compiles)
         self._step_compiles.extend((request.request_id, c) for c in compiles)
@@ -614,5 +644,6 @@ class MepicKVCacheManager(KVCacheManager):
             "requests_admitted": c.requests_admitted,
             "admissions_deferred": c.admissions_deferred,
             "resident_chunks": len(self.chunk_cache.entries),
+            "pinned_chunks": sum(e.pinned for e in self.chunk_cache.entries.values()),
             **{f"blocks_{k}": v for k, v in self.block_categories().items()},
         }

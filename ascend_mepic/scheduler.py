@@ -25,7 +25,7 @@ from vllm.v1.request import Request, RequestStatus
 from ascend_mepic.config import MepicConfig
 from ascend_mepic.identity import model_fingerprint
 from ascend_mepic.kv_manager import MepicKVCacheManager
-from ascend_mepic.segments import COMPILE_KEY, LayoutError
+from ascend_mepic.segments import COMPILE_KEY, UNPIN_KEY, LayoutError
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class MepicScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.mepic_config = MepicConfig.from_additional_config(self.vllm_config.additional_config)
         self.mepic_errors: dict[str, tuple[int, str]] = {}  # request id -> (client, reason)
+        self._finished_at_arrival: dict[str, tuple[int, RequestStatus]] = {}
         if not self.mepic_config.enabled:
             return
         if self.connector is not None:
@@ -102,6 +103,18 @@ class MepicScheduler(Scheduler):
         ):
             super().add_request(request)
             return
+        extra = request.sampling_params.extra_args if request.sampling_params else None
+        if extra and extra.get(UNPIN_KEY):
+            super().add_request(request)
+            try:
+                count = manager.unpin_chunks(request)
+                logger.info("MEPIC unpinned %d chunk(s) for request %s", count, request.request_id)
+                status = RequestStatus.FINISHED_STOPPED
+            except (LayoutError, ValueError) as e:
+                self.mepic_errors[request.request_id] = (request.client_index, str(e))
+                status = RequestStatus.FINISHED_ERROR
+            self._finish_now(request, status)
+            return
         try:
             manager.track(request)
         except (LayoutError, ValueError) as e:
@@ -109,9 +122,14 @@ class MepicScheduler(Scheduler):
             super().add_request(request)
             self.mepic_errors[request.request_id] = (request.client_index, str(e))
             manager.forget(request.request_id)
-            self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+            self._finish_now(request, RequestStatus.FINISHED_ERROR)
             return
         super().add_request(request)
+
+    def _finish_now(self, request: Request, status: RequestStatus) -> None:
+        """Finish a request at arrival; its output (no tokens) goes out with the next step."""
+        self._finished_at_arrival[request.request_id] = (request.client_index, status)
+        self.finish_requests(request.request_id, status)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         output = super().schedule(*args, **kwargs)
@@ -149,17 +167,18 @@ class MepicScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        if self.mepic_errors:
-            self._emit_rejections(outputs)
+        if self._finished_at_arrival:
+            self._emit_finished_at_arrival(outputs)
         return outputs
 
-    def _emit_rejections(self, outputs: dict[int, EngineCoreOutputs]) -> None:
-        errors, self.mepic_errors = self.mepic_errors, {}
-        for request_id, (client_index, _reason) in errors.items():
+    def _emit_finished_at_arrival(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        done, self._finished_at_arrival = self._finished_at_arrival, {}
+        self.mepic_errors = {}
+        for request_id, (client_index, status) in done.items():
             outputs.setdefault(client_index, EngineCoreOutputs()).outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
                     new_token_ids=[],
-                    finish_reason=RequestStatus.get_finished_reason(RequestStatus.FINISHED_ERROR),
+                    finish_reason=RequestStatus.get_finished_reason(status),
                 )
             )

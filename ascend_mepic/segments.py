@@ -27,8 +27,11 @@ DEFAULT_PAD_TOKEN_ID = 0
 EXTRA_ARGS_KEY = "mepic_segments"
 # set by the scheduler once it rewrote the engine request to its in-context tokens,
 IN_CONTEXT_KEY = "mepic_in_context"
-# the token count of a chunk compile (an extra sequence the scheduler adds to a step).
+# the token count of a chunk compile (an extra sequence the scheduler adds to a step),
 COMPILE_KEY = "mepic_compile"
+# and the explicit-chunk controls: pin the request's chunks once computed / unpin them.
+PIN_KEY = "mepic_pin"
+UNPIN_KEY = "mepic_unpin"
 
 
 class LayoutError(ValueError):

@@ -324,3 +324,34 @@ def test_free_queue_including_cached_prefix_blocks_goes_before_idle_chunks():
     admit(m, more)
     assert m.chunk_cache.stats.evictions == 1  # only now the idle chunk goes, whole
     check_conservation(m)
+
+
+def test_pinned_chunks_are_never_evicted_until_unpinned():
+    from ascend_mepic.segments import PIN_KEY
+
+    m = build_manager("mepic", 20, B)  # 19 usable blocks
+    c = chunk(1, 3 * B)
+    pin = make_request("pin", [c, Segment.prompt([1])], B)
+    pin.sampling_params.extra_args[PIN_KEY] = 1
+    admit(m, pin)
+    m.new_step_starts()
+    finish(m, pin)
+    entry = next(iter(m.chunk_cache.entries.values()))
+    assert entry.pinned and entry not in m.chunk_cache.lru
+    assert m.metrics()["pinned_chunks"] == 1
+    # Pressure: a prompt needing every block but the pinned chunk's cannot evict it, and one
+    # that needs the pinned blocks too can never fit while the chunk is pinned.
+    free = m.block_pool.get_num_free_blocks()
+    big = make_request("big", [Segment.prompt(range(1, free * B))], B)
+    assert admit(m, big) is not None
+    finish(m, big)
+    assert entry.pinned and m.chunk_cache.stats.evictions == 0
+    too_big = make_request("too_big", [Segment.prompt(range(1, (free + 1) * B))], B)
+    with pytest.raises(MepicCapacityError):
+        m.track(too_big)
+    unpin = make_request("unpin", [c, Segment.prompt([1])], B)
+    assert m.unpin_chunks(unpin) == 1
+    assert not entry.pinned and entry in m.chunk_cache.lru
+    assert admit(m, too_big) is not None  # now the idle chunk can go
+    assert m.chunk_cache.stats.evictions == 1
+    check_conservation(m)
