@@ -26,6 +26,9 @@ class MepicConfig:
     chunk_end: str = DEFAULT_END
     # Share of the step's token budget kept for chunk compiles (extra sequences in the batch).
     compile_token_fraction: float = 0.5
+    # Where the engine publishes MEPIC's metrics as JSON for the API server's /metrics and
+    # /v1/mepic/stats (the engine core runs in another process); "" disables it.
+    stats_file: str = ""
 
     @classmethod
     def from_additional_config(cls, additional: dict[str, Any] | None) -> MepicConfig:

@@ -12,7 +12,10 @@ reason, before anything is allocated, and never disturbs other requests.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
 from typing import Any
 
 from vllm.sampling_params import SamplingParams
@@ -36,6 +39,7 @@ class MepicScheduler(Scheduler):
         self.mepic_config = MepicConfig.from_additional_config(self.vllm_config.additional_config)
         self.mepic_errors: dict[str, tuple[int, str]] = {}  # request id -> (client, reason)
         self._finished_at_arrival: dict[str, tuple[int, RequestStatus]] = {}
+        self._stats_written_at = 0.0
         if not self.mepic_config.enabled:
             return
         if self.connector is not None:
@@ -135,7 +139,32 @@ class MepicScheduler(Scheduler):
         output = super().schedule(*args, **kwargs)
         if self.mepic_manager is not None:
             self._add_compiles(output)
+            self._publish_stats()
         return output
+
+    def _publish_stats(self, min_interval_s: float = 0.25) -> None:
+        """Write the manager's metrics for the API server (atomic replace, rate-limited)."""
+        path = self.mepic_config.stats_file
+        now = time.monotonic()
+        if not path or now - self._stats_written_at < min_interval_s:
+            return
+        self._stats_written_at = now
+        manager = self.kv_cache_manager
+        assert isinstance(manager, MepicKVCacheManager)
+        payload = {
+            "time": time.time(),
+            "num_blocks": manager.block_pool.num_gpu_blocks - 1,
+            "block_size": manager.mepic_block_size,
+            "metrics": manager.metrics(),
+            "recent_chunk_blocks": list(manager.recent_chunk_blocks)[-64:],
+        }
+        tmp = f"{path}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(payload, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.warning("MEPIC could not write stats to %s: %s", path, e)
 
     def _add_compiles(self, output: SchedulerOutput) -> None:
         """Run this step's chunk compiles as their own sequences in the same forward pass.

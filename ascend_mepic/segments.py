@@ -230,9 +230,17 @@ def build_layout(
 
 
 def parse_segment_lengths(raw: object) -> list[tuple[SegmentKind, int]]:
-    """Validate the ``extra_args`` description ``[[kind, num_real_tokens], ...]``."""
+    """Validate the ``extra_args`` description ``[[kind, num_real_tokens], ...]``.
+
+    The flat form ``[kind, n, kind, n, ...]`` is accepted too: it is what the OpenAI API's
+    ``vllm_xargs`` can carry (its values cannot nest).
+    """
     if not isinstance(raw, (list, tuple)) or not raw:
         raise LayoutError(f"{EXTRA_ARGS_KEY} must be a non-empty list of [kind, length] pairs")
+    if all(not isinstance(x, (list, tuple)) for x in raw):
+        if len(raw) % 2:
+            raise LayoutError(f"{EXTRA_ARGS_KEY} flat form needs kind, length pairs: {raw!r}")
+        raw = [raw[i : i + 2] for i in range(0, len(raw), 2)]
     out: list[tuple[SegmentKind, int]] = []
     for i, item in enumerate(raw):
         if not isinstance(item, (list, tuple)) or len(item) != 2:

@@ -149,3 +149,13 @@ def test_marker_errors_name_offset(text, match):
 def test_trailing_chunk_rejected():
     with pytest.raises(MarkerError, match="must end with prompt"):
         segments_from_text(CharTokenizer(), "q <<<MEPIC_CHUNK>>>doc<<<END_MEPIC_CHUNK>>>")
+
+
+def test_flat_segment_lengths_for_vllm_xargs():
+    from ascend_mepic.segments import parse_segment_lengths
+
+    assert parse_segment_lengths(["prompt", 3, "chunk", 40, "prompt", 2]) == parse_segment_lengths(
+        [["prompt", 3], ["chunk", 40], ["prompt", 2]]
+    )
+    with pytest.raises(LayoutError, match="flat form"):
+        parse_segment_lengths(["prompt", 3, "chunk"])
