@@ -16,9 +16,21 @@ pip_install() {
     { grep -v "is ignored: it is neither a file nor a directory" || true; }
 }
 
-if [ ! -f "$STAMP" ]; then
+healthy() {
+  [ -f "$STAMP" ] && "$VENV/bin/python" -c "import torch, triton, numpy, pytest, hypothesis" 2>/dev/null
+}
+
+if ! healthy; then
   start=$(date +%s)
-  test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
+  # A half-made or damaged environment is rebuilt from scratch rather than patched; only a
+  # virtualenv (or the default path) is ever removed.
+  if [ -f "$VENV/pyvenv.cfg" ] || [ "$VENV" = "$ROOT/.venv-ascend" ]; then
+    rm -rf "$VENV"
+  elif [ -e "$VENV" ]; then
+    echo "test_ascend_triton: $VENV exists and is not a virtualenv; not touching it" >&2
+    exit 1
+  fi
+  "$PYTHON" -m venv "$VENV"
   pip_install --upgrade pip
   # torch first: if its wheel pulled in upstream triton, triton-ascend overwrites it afterwards.
   pip_install torch==2.13.0

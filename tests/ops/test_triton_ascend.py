@@ -82,11 +82,11 @@ def test_decode_fp32(block_size, heads, neox, num_splits):
 
 
 def test_sub_block_tiles_fp32():
-    b = random_batch(1, 32, 8, 2, neox=False, max_segment=MAX_SEGMENT)
+    b = random_batch(1, 32, 4, 2, neox=False, num_seqs=2, max_segment=MAX_SEGMENT)
     check(run(b, kernel="prefill", block_n=16), b, 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision(dtype):
-    b = random_batch(7, 32, 8, 2, dtype=dtype, max_segment=MAX_SEGMENT)
+    b = random_batch(7, 16, 4, 2, num_seqs=2, dtype=dtype, max_segment=24)
     check(run(b), b, 2e-2)

@@ -1,0 +1,161 @@
+"""TTFT and decode speed in the real vLLM engine: MEPIC vs full recompute vs prefix caching.
+
+Side by side in one run, on the same SQuAD v2 requests (a system prompt, K paragraphs of one
+article as chunks, the question), SmolLM2-135M-Instruct on the CPU, float32:
+
+* TTFT: each request alone with ``max_tokens=1`` (prefill latency), after one warm-up pass over
+  the same requests so that caches hold what each system can reuse: MEPIC the paragraphs at any
+  position, prefix caching only identical prefixes, full recompute nothing.
+* Decode: tokens/s of a batch generating ``--decode-tokens`` tokens, MEPIC (RoPE applied to K at
+  read time, in the torch reference attention) vs stock vLLM (pre-rotated K, vLLM's CPU kernel).
+
+Each configuration runs in its own process. Prints ratios; asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = {
+    "full": {"mepic": False, "prefix": False},
+    "prefix": {"mepic": False, "prefix": True},
+    "mepic": {"mepic": True, "prefix": True},
+}
+
+
+def worker(job: dict) -> dict:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from ascend_mepic.markers import TextSegment, tokenize_segments
+    from ascend_mepic.offline import mepic_llm_kwargs, segment_request
+    from ascend_mepic.segments import SegmentKind
+    from ascend_mepic.trace import squad_trace
+
+    tok = AutoTokenizer.from_pretrained(job["model"])
+    lines = list(
+        squad_trace(job["requests"], 1.0, job["chunks"], job["seed"], None, 1, job["articles"])
+    )
+    reqs = [
+        tokenize_segments(
+            tok, [TextSegment(SegmentKind(s["type"]), s["text"]) for s in line["segments"]]
+        )
+        for line in lines
+    ]
+    kwargs = mepic_llm_kwargs() if job["mepic"] else {"enable_prefix_caching": job["prefix"]}
+    llm = LLM(
+        model=job["model"],
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=4096,
+        block_size=job["block_size"],
+        seed=0,
+        **kwargs,
+    )
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def run(segs, params):
+        if job["mepic"]:
+            prompt, sp = segment_request(segs, params)
+        else:
+            prompt, sp = {"prompt_token_ids": [t for s in segs for t in s.token_ids]}, params
+        return llm.generate([prompt], [sp], use_tqdm=False)
+
+    for segs in reqs:  # warm-up: fill whatever cache the configuration has
+        run(segs, one)
+    ttft = []
+    for segs in reqs:
+        t0 = time.perf_counter()
+        run(segs, one)
+        ttft.append(time.perf_counter() - t0)
+    decode_params = SamplingParams(
+        temperature=0.0, max_tokens=job["decode_tokens"], ignore_eos=True
+    )
+    batch = reqs[: job["decode_batch"]]
+    if job["mepic"]:
+        pairs = [segment_request(s, decode_params) for s in batch]
+        prompts, params = [p for p, _ in pairs], [sp for _, sp in pairs]
+    else:
+        prompts = [{"prompt_token_ids": [t for s in segs for t in s.token_ids]} for segs in batch]
+        params = decode_params
+    llm.generate(prompts, params, use_tqdm=False)  # warm
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "ttft_mean_s": statistics.mean(ttft),
+        "ttft_p50_s": statistics.median(ttft),
+        "prompt_tokens_mean": statistics.mean(sum(len(s.token_ids) for s in r) for r in reqs),
+        "decode_tok_s": generated / elapsed,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--chunks", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--articles", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--decode-batch", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.job:
+        print("RESULT" + json.dumps(worker(json.loads(args.job))))
+        return
+
+    from ascend_mepic.prepare import resolve_model
+
+    model = str(resolve_model(args.model))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="4")
+    print(f"model {args.model}, {args.requests} SQuAD requests, block size {args.block_size}")
+    print(
+        "| paragraphs | config | prompt tokens | TTFT mean (ms) | TTFT p50 (ms) | "
+        "TTFT vs full | decode tok/s |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for k in args.chunks:
+        results = {}
+        for name, cfg in CONFIGS.items():
+            job = {
+                "model": model,
+                "requests": args.requests,
+                "chunks": k,
+                "seed": args.seed,
+                "articles": args.articles,
+                "block_size": args.block_size,
+                "decode_tokens": args.decode_tokens,
+                "decode_batch": args.decode_batch,
+                **cfg,
+            }
+            proc = subprocess.run(
+                [sys.executable, __file__, "--job", json.dumps(job)],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=1800,
+            )
+            if proc.returncode != 0:
+                raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+            line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+            results[name] = json.loads(line[len("RESULT") :])
+        for name, r in results.items():
+            print(
+                f"| {k} | {name} | {r['prompt_tokens_mean']:.0f} | {r['ttft_mean_s'] * 1e3:.1f} | "
+                f"{r['ttft_p50_s'] * 1e3:.1f} | "
+                f"{r['ttft_mean_s'] / results['full']['ttft_mean_s']:.2f}x | "
+                f"{r['decode_tok_s']:.1f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
