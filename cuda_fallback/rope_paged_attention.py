@@ -14,28 +14,31 @@ un-rotated and grouped by sequence through ``query_start_loc``; each query has a
 padded index is ``>= j * B + t``. ``cos_sin_cache`` is ``[max_pos, D]``, cosines then sines;
 neox style rotates the halves ``(x[:D/2], x[D/2:])``, GPT-J style the pairs ``(x[0::2], x[1::2])``.
 
-Kernels:
+Kernels (KV is walked in tiles of ``BLOCK_N`` padded key indices, 64 on a GPU: part of a block
+when ``B >= BLOCK_N``, several blocks gathered through the block table when ``B < BLOCK_N``, so
+block size 16 still gets 64-wide dots; any ``B`` works):
 
-* prefill: grid ``(query tiles, Hq)``; a tile is up to ``BLOCK_M`` consecutive queries of one
-  sequence (a host-side map from ``query_start_loc``). It loops over the sequence's KV in tiles of
-  ``BLOCK_N`` slots (a block or a sub-block), only up to the tile holding its largest padded query
-  index (causal skipping), with a flash-style online softmax in fp32.
+* prefill: grid ``(query tiles, Hq)``; a tile is up to ``BLOCK_M`` (64) consecutive queries of one
+  sequence (``prefill_tiles``: a host map from ``query_start_loc``, heaviest tiles first). It loops
+  over the sequence's KV tiles only up to the one holding its largest padded query index (causal
+  skipping), with a flash-style online softmax in fp32. GQA: KV head ``head // (Hq // Hkv)``.
 * decode (``max_query_len <= 1``): grid ``(sequences, Hkv, splits)``; the rows of a tile are the
-  query heads sharing one KV head (GQA group padded to >= 16 rows), so each K/V tile is read once
-  per KV head. With more than one split, each split covers a range of KV tiles and a small combine
-  kernel merges their partial results by log-sum-exp (flash-decoding), to fill the GPU when the
-  batch is small and the context long.
+  query heads sharing one KV head (GQA group padded to >= 16 rows for ``tl.dot``), so each K/V
+  tile is read once per KV head. With more than one split, each split covers a range of KV tiles
+  and a combine kernel merges the partial results by log-sum-exp (flash-decoding), to fill the GPU
+  when the batch is small and the context long (splits are chosen from the SM count).
 
 The score is computed on the rotated halves without re-interleaving them:
 ``q.k = q1.k1 + q2.k2`` where ``(x1, x2)`` are the two rotated half-tiles (neox: the halves;
 GPT-J: the even and odd columns, the same code with other column offsets). ``APPLY_ROPE=False``
 skips every rotation (the benchmark's baseline). Head dims need not be powers of two: the halves
-are padded to a power of two >= 16 with masking. ``B`` must be a power of two >= 16.
+are padded to a power of two >= 16 with masking (D = 16, 48, 64, 128 are tested). Pad slots are
+never loaded (an uninitialised block may hold NaN), and a query that sees no key yields 0.
 
-Dots run on fp32 operands (``input_precision="ieee"``) for fp32 inputs and always under the
-interpreter (whose ``tl.dot`` on bf16 operands is wrong); on a GPU, fp16/bf16 inputs use their own
-dtype for the dots (rotated Q/K are rounded back to it, as the torch reference does) with fp32
-accumulation.
+Dots run on fp32 operands (``input_precision="ieee"``) when Q or the cache is fp32, and always
+under the interpreter (whose ``tl.dot`` on bf16 operands is wrong); on a GPU, fp16/bf16 inputs use
+their own dtype for the dots (rotated Q/K are rounded back to it, as the torch reference does)
+with fp32 accumulation.
 
 Status: tested on CPU under ``TRITON_INTERPRET=1`` only (``tests/ops/test_triton.py``). It has NOT
 been run on a real GPU; ``benchmarks/ops/bench_triton_gpu.py`` is the first thing to run on one.
@@ -110,6 +113,7 @@ def _attend_kv(
     l_i,
     acc,
     seq,
+    nb,
     tile_lo,
     tile_hi,
     k_ptr,
@@ -118,7 +122,8 @@ def _attend_kv(
     stride_ks,
     stride_vb,
     stride_vs,
-    kv_off,
+    k_off,
+    v_off,
     block_tables_ptr,
     first_pos_ptr,
     valid_start_ptr,
@@ -136,20 +141,25 @@ def _attend_kv(
     APPLY_ROPE: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """Online softmax of pre-scaled, rotated queries over KV tiles ``[tile_lo, tile_hi)``."""
-    SUB: tl.constexpr = B // BLOCK_N
+    """Online softmax of pre-scaled, rotated queries over KV tiles ``[tile_lo, tile_hi)``.
+
+    Tile ``t`` holds the keys of padded index ``t * BLOCK_N + n``: part of one block when
+    ``BLOCK_N <= B``, several whole blocks otherwise, so the tile size does not depend on ``B``.
+    """
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, D_P)
     meta_row = seq.to(tl.int64) * stride_bt
     for t in range(tile_lo, tile_hi):
-        j = t // SUB
-        slot = (t % SUB) * BLOCK_N + n
-        blk = tl.load(block_tables_ptr + meta_row + j).to(tl.int64)
-        first = tl.load(first_pos_ptr + meta_row + j)
-        v_start = tl.load(valid_start_ptr + meta_row + j)
-        v_end = tl.load(valid_end_ptr + meta_row + j)
-        real = (slot >= v_start) & (slot < v_end)
-        k_rows = k_ptr + blk * stride_kb + slot.to(tl.int64) * stride_ks + kv_off
+        idx = t * BLOCK_N + n
+        j = idx // B
+        slot = idx % B
+        in_seq = j < nb
+        blk = tl.load(block_tables_ptr + meta_row + j, mask=in_seq, other=0).to(tl.int64)
+        first = tl.load(first_pos_ptr + meta_row + j, mask=in_seq, other=0)
+        v_start = tl.load(valid_start_ptr + meta_row + j, mask=in_seq, other=0)
+        v_end = tl.load(valid_end_ptr + meta_row + j, mask=in_seq, other=0)
+        real = in_seq & (slot >= v_start) & (slot < v_end)
+        k_rows = k_ptr + blk * stride_kb + slot.to(tl.int64) * stride_ks + k_off
         k1, k2 = _load_halves(
             k_rows, first + slot - v_start, real, cos_sin_ptr, stride_cs,
             HALF, HALF_P, IS_NEOX, APPLY_ROPE,
@@ -160,7 +170,7 @@ def _attend_kv(
         else:
             s = tl.dot(q1, tl.trans(k1.to(q1.dtype)))
             s += tl.dot(q2, tl.trans(k2.to(q2.dtype)))
-        allowed = real[None, :] & ((j * B + slot)[None, :] <= q_idx[:, None])
+        allowed = real[None, :] & (idx[None, :] <= q_idx[:, None])
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no allowed key yet keeps m = -inf; subtract 0 instead (no NaN).
@@ -169,7 +179,7 @@ def _attend_kv(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         # Pad slots may hold anything (uninitialised blocks): never load them, 0 * NaN is NaN.
-        v_rows = v_ptr + blk * stride_vb + slot.to(tl.int64) * stride_vs + kv_off
+        v_rows = v_ptr + blk * stride_vb + slot.to(tl.int64) * stride_vs + v_off
         v = tl.load(v_rows[:, None] + d[None, :], mask=real[:, None] & (d < D)[None, :], other=0.0)
         acc = acc * alpha[:, None]
         if DOT_FP32:
@@ -243,13 +253,14 @@ def _prefill_kernel(
         q2 = q2.to(q_ptr.dtype.element_ty)
 
     nb = tl.load(num_blocks_ptr + seq)
-    num_tiles = tl.minimum(nb * (B // BLOCK_N), tl.max(q_idx, 0) // BLOCK_N + 1)
+    num_tiles = tl.minimum(tl.cdiv(nb * B, BLOCK_N), tl.max(q_idx, 0) // BLOCK_N + 1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
     m_i, l_i, acc = _attend_kv(
-        q1, q2, q_idx, m_i, l_i, acc, seq, 0, num_tiles,
-        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, (head // GROUP) * stride_kh,
+        q1, q2, q_idx, m_i, l_i, acc, seq, nb, 0, num_tiles,
+        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
+        (head // GROUP) * stride_kh, (head // GROUP) * stride_vh,
         block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
         cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
     )  # fmt: skip
@@ -331,7 +342,7 @@ def _decode_kernel(
         q2 = q2.to(q_ptr.dtype.element_ty)
 
     nb = tl.load(num_blocks_ptr + seq)
-    num_tiles = tl.minimum(nb * (B // BLOCK_N), tl.max(q_idx, 0) // BLOCK_N + 1)
+    num_tiles = tl.minimum(tl.cdiv(nb * B, BLOCK_N), tl.max(q_idx, 0) // BLOCK_N + 1)
     num_tiles = tl.where(count > 0, num_tiles, 0)
     per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * per_split
@@ -340,8 +351,9 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D_P], tl.float32)
     m_i, l_i, acc = _attend_kv(
-        q1, q2, q_idx, m_i, l_i, acc, seq, tile_lo, tile_hi,
-        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, kv_head * stride_kh,
+        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tile_lo, tile_hi,
+        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
+        kv_head * stride_kh, kv_head * stride_vh,
         block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
         cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
     )  # fmt: skip
@@ -446,11 +458,8 @@ def _validate(
         raise ValueError(f"head dim {d} must be even for RoPE")
     if query.shape[1] % hkv:
         raise ValueError(f"query heads {query.shape[1]} must be a multiple of KV heads {hkv}")
-    if bs != meta.block_size or bs < 16 or bs & (bs - 1):
-        raise ValueError(
-            f"block size must be a power of two >= 16 and match the metadata: cache {bs}, "
-            f"metadata {meta.block_size}"
-        )
+    if bs != meta.block_size:
+        raise ValueError(f"block size differs: cache {bs}, metadata {meta.block_size}")
     for name, t in (("query", query), ("kv_cache", kv_cache)):
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} dtype {t.dtype} not supported; use fp32, fp16 or bf16")
@@ -485,9 +494,9 @@ def rope_paged_attention_triton(
 
     ``kernel`` forces ``"prefill"`` or ``"decode"`` (default: decode when
     ``meta.max_query_len <= 1``, trusted as given). ``tiles`` is ``prefill_tiles(loc, block_m)``
-    precomputed (else built here, a host sync). ``apply_rope=False`` skips all rotation and
-    ``block_m``/``block_n``/``num_splits`` override tile sizes and decode splits (benchmarks and
-    tests only).
+    precomputed with the same ``block_m`` (else built here, a host sync). ``apply_rope=False``
+    skips all rotation; ``block_m``/``block_n``/``num_splits`` override tile sizes and decode
+    splits (benchmarks and tests).
     """
     _validate(query, kv_cache, meta, rope)
     if kernel not in (None, "prefill", "decode"):
@@ -516,9 +525,9 @@ def rope_paged_attention_triton(
         raise ValueError("block_tables and the per-block metadata must have one shape")
 
     if block_n is None:
-        block_n = min(bs, 128 if INTERPRETED else 64)
-    if bs % block_n or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n {block_n} must be a power of two >= 16 dividing {bs}")
+        block_n = 128 if INTERPRETED else 64  # the interpreter's cost is per tile, not per key
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n {block_n} must be a power of two >= 16")
     half = d // 2
     common = dict(
         B=bs,
@@ -529,7 +538,7 @@ def rope_paged_attention_triton(
         D_P=_pow2_at_least(d),
         IS_NEOX=bool(rope.is_neox_style),
         APPLY_ROPE=bool(apply_rope),
-        DOT_FP32=INTERPRETED or query.dtype == torch.float32,
+        DOT_FP32=INTERPRETED or torch.float32 in (query.dtype, kv_cache.dtype),
     )
     strides = (
         query.stride(0),
@@ -549,9 +558,13 @@ def rope_paged_attention_triton(
     group = hq // hkv
     metas = (loc, q_pos, q_idx, tables, nblocks, first, vstart, vend)
 
+    if kernel == "decode" and meta.max_query_len > 1:
+        raise ValueError(
+            f"the decode kernel takes <= 1 query per sequence, not {meta.max_query_len}"
+        )
     if kernel == "decode" or (kernel is None and meta.max_query_len <= 1):
         splits = num_splits or _num_splits(
-            device, meta.num_seqs * hkv, meta.max_num_blocks * (bs // block_n)
+            device, meta.num_seqs * hkv, triton.cdiv(meta.max_num_blocks * bs, block_n)
         )
         if splits & (splits - 1):
             raise ValueError(f"num_splits {splits} must be a power of two")

@@ -48,6 +48,9 @@ interpreted = pytest.mark.skipif(
 # prefill draws few query heads and decode the large GQA groups (8, 16 rows padded to >= 16).
 prefill_heads = st.sampled_from([(2, 2), (4, 2), (3, 1), (4, 1)])
 decode_heads = st.sampled_from([(4, 4), (8, 2), (6, 3), (8, 1), (16, 1)])
+# KV tiles may be smaller than a block, a block, or gather several blocks (24: not a power of 2).
+block_sizes = st.sampled_from([16, 32, 128, 24])
+block_ns = st.sampled_from([None, 16, 32, 64])
 # Small segments keep the interpreter fast (at most a few hundred keys per sequence).
 MAX_SEGMENT = 40
 
@@ -74,16 +77,15 @@ def check(out: torch.Tensor, b: Batch, tol: float) -> None:
 @settings(max_examples=16, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
-    block_size=st.sampled_from([16, 32, 128]),
+    block_size=block_sizes,
     heads=prefill_heads,
     neox=st.booleans(),
     block_m=st.sampled_from([16, 64]),
-    sub_tiles=st.booleans(),
+    block_n=block_ns,
 )
-def test_prefill_matches_oracle_fp32(seed, block_size, heads, neox, block_m, sub_tiles):
-    """Scattered queries, several sequences, query tiles and (optionally) sub-block KV tiles."""
+def test_prefill_matches_oracle_fp32(seed, block_size, heads, neox, block_m, block_n):
+    """Scattered queries, several sequences, several query tiles and KV tile sizes."""
     b = random_batch(seed, block_size, *heads, neox=neox, max_segment=MAX_SEGMENT)
-    block_n = 16 if sub_tiles else None
     check(run(b, kernel="prefill", block_m=block_m, block_n=block_n), b, 1e-5)
 
 
@@ -91,17 +93,16 @@ def test_prefill_matches_oracle_fp32(seed, block_size, heads, neox, block_m, sub
 @settings(max_examples=20, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
-    block_size=st.sampled_from([16, 32, 128]),
+    block_size=block_sizes,
     heads=decode_heads,
     neox=st.booleans(),
     num_splits=st.sampled_from([1, 2, 4]),
-    sub_tiles=st.booleans(),
+    block_n=block_ns,
 )
-def test_decode_matches_oracle_fp32(seed, block_size, heads, neox, num_splits, sub_tiles):
+def test_decode_matches_oracle_fp32(seed, block_size, heads, neox, num_splits, block_n):
     """One query per sequence: the decode kernel (GQA group as rows), with and without splits."""
     b = random_batch(seed, block_size, *heads, neox=neox, decode=True, max_segment=MAX_SEGMENT)
     assert b.meta.max_query_len == 1
-    block_n = 16 if sub_tiles else None
     check(run(b, num_splits=num_splits, block_n=block_n), b, 1e-5)
 
 
@@ -156,6 +157,13 @@ def test_sequences_without_queries_are_skipped(decode, seq):
     b = drop_queries(random_batch(11, 16, 4, 2, decode=decode, max_segment=MAX_SEGMENT), seq)
     check(run(b), b, 1e-5)
     check(run(b, num_splits=2) if decode else run(b, block_m=16), b, 1e-5)
+
+
+@interpreted
+def test_precomputed_prefill_tiles():
+    b = random_batch(4, 16, 4, 2, max_segment=MAX_SEGMENT)
+    tiles = tri.prefill_tiles(b.meta.query_start_loc, 16)
+    check(run(b, block_m=16, tiles=tiles), b, 1e-5)
 
 
 def nan_outside_real_slots(b: Batch) -> Batch:
@@ -235,9 +243,12 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="multiple"):
         tri.rope_paged_attention_triton(b.query[:, :3], b.kv_cache, b.meta, b.rope, b.scale)
     with pytest.raises(ValueError, match="block_n"):
-        run(b, block_n=32)
+        run(b, block_n=24)
     with pytest.raises(ValueError, match="kernel"):
         run(b, kernel="dense")
+    if b.meta.max_query_len > 1:
+        with pytest.raises(ValueError, match="decode kernel"):
+            run(b, kernel="decode")
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
