@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.ascend-mepic-setup
 DEMO_DIR ?= results/demo
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test test-ascend-triton lint demo bench clean
 
 setup: $(STAMP)
 
@@ -25,8 +25,13 @@ $(STAMP): setup.py
 lint: setup
 	$(VENV)/bin/ruff check ascend_mepic tests benchmarks
 
-test: setup lint
+test: setup lint test-ascend-triton
 	$(VENV)/bin/pytest -q tests
+
+# cuda_fallback's Triton kernels under triton-ascend's CPU interpreter, in their own venv
+# (triton-ascend replaces the triton package, so it cannot share vLLM's environment).
+test-ascend-triton:
+	scripts/test_ascend_triton.sh
 
 demo: setup
 	$(VENV)/bin/ascend-mepic prepare --model smollm2
@@ -41,4 +46,4 @@ bench: setup
 	$(PY) benchmarks/bench_sched_cost.py
 
 clean:
-	rm -rf $(VENV) results .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-ascend results .pytest_cache .ruff_cache
