@@ -552,17 +552,25 @@ class MepicKVCacheManager(KVCacheManager):
 
     # ---------------------------------------------------------------- steps and release
 
-    def new_step_starts(self) -> None:
-        """The previous step ran: its compiles are in the cache and their scratch is free."""
-        super().new_step_starts()
+    def step_finished(self) -> None:
+        """The step's forward pass ran: its compiles are in the cache, their scratch is free.
+
+        Called before finished requests are released, so a request that ends in the step that
+        compiled its chunks leaves them resident (idle) rather than dropping them.
+        """
         self.chunk_cache.commit_pending()
-        self._step_tokens_left = self.compile_token_budget
-        self._step_seqs_left = self.compile_seq_budget
-        self._step_compiles = []
         for st in self._states.values():
             if st.scratch:
                 self.block_pool.free_blocks(st.scratch)
                 st.scratch = []
+
+    def new_step_starts(self) -> None:
+        """A new step: the previous one has run (idempotent with ``step_finished``)."""
+        super().new_step_starts()
+        self.step_finished()
+        self._step_tokens_left = self.compile_token_budget
+        self._step_seqs_left = self.compile_seq_budget
+        self._step_compiles = []
 
     def _release(self, request: Request) -> None:
         st = self._states.get(request.request_id)

@@ -195,6 +195,8 @@ class MepicScheduler(Scheduler):
             self._compiles_to_finish.add(compile_id)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any):
+        if self.mepic_manager is not None:
+            self.mepic_manager.step_finished()
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._finished_at_arrival:
             self._emit_finished_at_arrival(outputs)

@@ -133,3 +133,20 @@ def test_schedule_shares_chunk_blocks_and_rejects_bad_requests(tiny_model):
     sched.finish_requests(["a", "b", "c"], RequestStatus.FINISHED_ABORTED)
     assert sched.kv_cache_manager.num_used_blocks() == 0
     assert sched.kv_cache_manager.block_categories()["chunk_shared_idle"] == 3
+
+
+def test_request_ending_in_its_compile_step_leaves_the_chunk_resident(tiny_model):
+    sched, hasher = make_scheduler(tiny_model, {"mepic": {}}, num_blocks=24)
+    doc = Segment.chunk(range(10, 110))
+    r = mepic_request("r", [Segment.prompt([1, 5]), doc, Segment.prompt([7])], hasher)
+    r.sampling_params.max_tokens = 1
+    r.max_tokens = 1
+    sched.add_request(r)
+    out = sched.schedule()
+    ran = ModelRunnerOutput(req_ids=["r"], req_id_to_index={"r": 0}, sampled_token_ids=[[3]])
+    sched.update_from_output(out, ran)
+    assert r.is_finished()
+    manager = sched.kv_cache_manager
+    assert manager.chunk_cache.stats.dropped_pending == 0
+    assert manager.metrics()["resident_chunks"] == 1
+    assert manager.block_categories()["compile_scratch"] == 0
