@@ -20,7 +20,7 @@ real keys of its own sequence whose padded index is not after its own.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,9 @@ class PagedRopeMetadata:
     block_valid_end: torch.Tensor  # [S, max_blocks] int32
     max_query_len: int
     max_num_blocks: int
+    # Derived data an implementation may memoize for this batch (the same metadata object is
+    # used by every layer of a step, so per-layer work is paid once per step).
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

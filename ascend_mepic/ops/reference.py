@@ -7,11 +7,13 @@ KV blocks, drop pad slots, rotate K at each key's logical position, rotate Q, an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from ascend_mepic.ops.metadata import PagedRopeMetadata
-from ascend_mepic.ops.rope import RopeSpec, apply_rope
+from ascend_mepic.ops.rope import RopeSpec
 
 
 def write_kv(
@@ -45,6 +47,80 @@ def gather_sequence_keys(
     return k[keep], v[keep], pos[keep], index[keep]
 
 
+@dataclass(frozen=True)
+class _SequencePlan:
+    """What every layer of a step needs for one sequence; computed once per step."""
+
+    q_rows: slice
+    blocks: torch.Tensor  # [L] block id of each real key
+    offsets: torch.Tensor  # [L] slot of each real key
+    key_cos: torch.Tensor  # [L, 1, D/2] float32
+    key_sin: torch.Tensor
+    query_cos: torch.Tensor  # [Tq, 1, D/2]
+    query_sin: torch.Tensor
+    mask: torch.Tensor | None  # [Tq, L] bool, True = attend; None: attend to every key
+    is_causal: bool  # the mask is exactly SDPA's causal mask (a plain prefill from 0)
+
+
+def _cos_sin(rope: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = rope.cos_sin_cache.index_select(0, positions.long()).float().chunk(2, dim=-1)
+    return cos[:, None, :], sin[:, None, :]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    xf = x.float()
+    if neox:
+        x1, x2 = xf.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def _plans(meta: PagedRopeMetadata, rope: RopeSpec, device: torch.device) -> list[_SequencePlan]:
+    if "reference_plans" in meta.memo:
+        return meta.memo["reference_plans"]
+    bs = meta.block_size
+    loc = meta.query_start_loc.tolist()
+    nblocks = meta.num_blocks.tolist()
+    slot = torch.arange(bs, device=device)
+    plans = []
+    for s in range(meta.num_seqs):
+        q0, q1 = loc[s], loc[s + 1]
+        if q0 == q1:
+            continue
+        n = nblocks[s]
+        start = meta.block_valid_start[s, :n, None]
+        real = ((slot >= start) & (slot < meta.block_valid_end[s, :n, None])).flatten()
+        keep = real.nonzero().squeeze(1)
+        pos = (meta.block_first_pos[s, :n, None] + slot - start).flatten()[keep]
+        kcos, ksin = _cos_sin(rope, pos)
+        qcos, qsin = _cos_sin(rope, meta.query_positions[q0:q1])
+        mask: torch.Tensor | None = keep[None, :] <= meta.query_indices[q0:q1, None]
+        # SDPA is much faster without an explicit mask: use none when every key is visible
+        # (decode), its own causal mask when the queries are exactly the keys in order.
+        is_causal = False
+        if bool(mask.all()):
+            mask = None
+        elif q1 - q0 == len(keep) and torch.equal(mask, torch.ones_like(mask).tril()):
+            mask, is_causal = None, True
+        plans.append(
+            _SequencePlan(
+                slice(q0, q1),
+                meta.block_tables[s, :n].long()[keep // bs],
+                keep % bs,
+                kcos,
+                ksin,
+                qcos,
+                qsin,
+                mask,
+                is_causal,
+            )
+        )
+    meta.memo["reference_plans"] = plans
+    return plans
+
+
 def rope_paged_attention_reference(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -52,25 +128,26 @@ def rope_paged_attention_reference(
     rope: RopeSpec,
     scale: float,
 ) -> torch.Tensor:
-    """Attention over un-rotated paged KV with RoPE applied at read time; returns ``[T, Hq, D]``."""
+    """Attention over un-rotated paged KV with RoPE applied at read time; returns ``[T, Hq, D]``.
+
+    Per step (memoized on ``meta``): each sequence's real key slots, their positions' cos/sin and
+    the causal mask. Per layer: gather K/V, rotate, SDPA with native GQA.
+    """
     out = torch.empty_like(query)
-    loc = meta.query_start_loc.tolist()
-    nblocks = meta.num_blocks.tolist()
-    for s in range(meta.num_seqs):
-        q0, q1 = loc[s], loc[s + 1]
-        if q0 == q1:
-            continue
-        k, v, kpos, kidx = gather_sequence_keys(kv_cache, meta, s, nblocks[s])
-        q = apply_rope(query[q0:q1], meta.query_positions[q0:q1], rope)
-        k = apply_rope(k, kpos, rope)
-        mask = kidx[None, :] <= meta.query_indices[q0:q1, None]
+    neox = rope.is_neox_style
+    for plan in _plans(meta, rope, query.device):
+        k = kv_cache[0][plan.blocks, plan.offsets]
+        v = kv_cache[1][plan.blocks, plan.offsets]
+        q = _rotate(query[plan.q_rows], plan.query_cos, plan.query_sin, neox)
+        k = _rotate(k, plan.key_cos, plan.key_sin, neox)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.to(q.dtype).transpose(0, 1).unsqueeze(0),
             v.to(q.dtype).transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
+            attn_mask=plan.mask,
+            is_causal=plan.is_causal,
             scale=scale,
             enable_gqa=True,
         )
-        out[q0:q1] = o.squeeze(0).transpose(0, 1)
+        out[plan.q_rows] = o.squeeze(0).transpose(0, 1)
     return out

@@ -121,3 +121,29 @@ def test_strided_block_major_cache_view():
     k = torch.randn(3, 2, 32)
     write_kv(k, -k, view, torch.tensor([5, -1, 40]))
     assert torch.equal(block_major[0, 0, 5], k[0]) and torch.equal(block_major[1, 1, 8], -k[2])
+
+
+@pytest.mark.parametrize("n", [1, 37, 96])
+def test_plain_prefill_fast_paths_match_oracle(n):
+    """A contiguous prefill from 0 (SDPA's own causal mask) and a lone query (no mask)."""
+    from ascend_mepic.ops import RopeSpec, SequenceSpec, build_metadata
+    from ascend_mepic.ops.rope import default_cos_sin_cache
+
+    bs, hkv, d = 32, 2, 32
+    nb = -(-n // bs)
+    spec = SequenceSpec(
+        block_ids=list(range(1, nb + 1)),
+        block_first_pos=[j * bs for j in range(nb)],
+        block_valid_start=[0] * nb,
+        block_valid_end=[min(bs, n - j * bs) for j in range(nb)],
+        query_indices=list(range(n)),
+        query_positions=list(range(n)),
+    )
+    meta = build_metadata([spec], bs)
+    gen = torch.Generator().manual_seed(n)
+    cache = torch.randn(2, nb + 1, bs, hkv, d, generator=gen)
+    query = torch.randn(n, 4, d, generator=gen)
+    rope = RopeSpec.from_cache(default_cos_sin_cache(d, 512), True)
+    out = rope_paged_attention_reference(query, cache, meta, rope, d**-0.5)
+    want = dense_oracle(query, cache, meta, 10000.0, True, d**-0.5)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
