@@ -24,6 +24,7 @@ setup(
     },
     entry_points={
         "vllm.general_plugins": ["ascend_mepic = ascend_mepic.plugin:register"],
+        "vllm.endpoint_plugins": ["ascend_mepic = ascend_mepic.server:MepicEndpointPlugin"],
         "console_scripts": ["ascend-mepic = ascend_mepic.cli:main"],
     },
 )

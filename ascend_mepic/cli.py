@@ -1,4 +1,4 @@
-"""``ascend-mepic``: prepare models, make traces, and plan KV capacity with kvsim."""
+"""``ascend-mepic``: prepare models, make traces, plan KV capacity with kvsim, and serve."""
 
 from __future__ import annotations
 
@@ -63,6 +63,13 @@ def cmd_kvsim(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(vllm_args: list[str]) -> int:
+    from ascend_mepic.server import serve
+
+    serve(vllm_args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ascend-mepic", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -94,11 +101,25 @@ def build_parser() -> argparse.ArgumentParser:
     ks.add_argument("--tokenizer", help="needed when the trace has text segments")
     ks.add_argument("--json", help="write the result JSON here (a list for --placement all)")
     ks.set_defaults(func=cmd_kvsim)
+
+    # Listed for --help only: main() hands everything after "serve" to vLLM's own parser.
+    sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI server with MEPIC on: serve MODEL [vLLM server options]",
+        add_help=False,
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        try:
+            return cmd_serve(argv[1:])
+        except (ValueError, RuntimeError) as e:
+            print(f"ascend-mepic serve: error: {e}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -200,6 +200,9 @@ class MepicScheduler(Scheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._finished_at_arrival:
             self._emit_finished_at_arrival(outputs)
+        if self.mepic_manager is not None:
+            # Publish at once when the engine goes idle, so the last burst is never missing.
+            self._publish_stats(0.0 if not self.has_unfinished_requests() else 0.25)
         return outputs
 
     def _emit_finished_at_arrival(self, outputs: dict[int, EngineCoreOutputs]) -> None:

@@ -1,0 +1,452 @@
+"""MEPIC behind vLLM's OpenAI server (`ascend-mepic serve`), end to end over HTTP.
+
+One real server (tiny random Llama, float32, CPU) runs for the whole module as a subprocess; the
+offline comparison runs the engine once more in its own process (tests/engine_runner.py).
+"""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from ascend_mepic.markers import MarkerError, segments_from_text
+from ascend_mepic.prepare import prepare_tiny_llama
+from ascend_mepic.segments import Segment
+
+REPO = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT_S = 240
+REQUEST_TIMEOUT_S = 60
+
+BEGIN, END = "<<<MEPIC_CHUNK>>>", "<<<END_MEPIC_CHUNK>>>"
+DOCS = [
+    "The quick fox sees the old river near a small village. A brave teacher helps the "
+    "student across the bridge. Every morning the farmer carries a golden letter to the market.",
+    "Some clever doctor writes a strange story about the island. The tired child reads it "
+    "slowly beside the kitchen window, and the quiet cat watches the summer road.",
+    "Our careful engineer builds a silver machine under the castle. The happy friend moves "
+    "the green garden bench into the library, then answers every question again.",
+    "A lazy dog follows the red bird through the forest. Each winter evening the gentle "
+    "farmer remembers the ocean, the mountain and the bright city far away.",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _endpoint_metadata_dir(tmp: Path) -> str | None:
+    """A dist-info that declares the endpoint entry point, when the installed one predates it.
+
+    Only for running these tests in an environment installed before the entry point was added
+    to setup.py; a fresh `pip install -e .` makes this a no-op.
+    """
+    from ascend_mepic.server import endpoint_plugin_installed
+
+    if endpoint_plugin_installed():
+        return None
+    info = tmp / "ascend_mepic_endpoint_test_shim-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: ascend-mepic-endpoint-test-shim\nVersion: 0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[vllm.endpoint_plugins]\nascend_mepic = ascend_mepic.server:MepicEndpointPlugin\n"
+    )
+    return str(tmp)
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(prepare_tiny_llama())
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory, request) -> str:
+    tmp = tmp_path_factory.mktemp("mepic-server")
+    port = _free_port()
+    paths = [p for p in (_endpoint_metadata_dir(tmp / "meta"), str(REPO)) if p]
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
+    env.pop("VLLM_PLUGINS", None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "ascend_mepic.cli",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "1024",
+        # A small step budget (compile room 256 tokens) makes the engine-side rejection testable.
+        "--max-num-batched-tokens",
+        "512",
+    ]
+    log_path = tmp / "server.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
+    )
+
+    def stop() -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        log.close()
+
+    request.addfinalizer(stop)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"server not healthy in {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server, timeout=REQUEST_TIMEOUT_S) as c:
+        yield c
+
+
+def marked(doc: str, question: str = "What happens?") -> str:
+    return f"Read this: {BEGIN}{doc}{END} {question}"
+
+
+def complete(client: httpx.Client, prompt, **kw) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0.0, **kw}
+    return client.post("/v1/completions", json=body)
+
+
+def fresh_stats(client: httpx.Client) -> dict:
+    """The scheduler publishes stats at most every 0.25 s while it schedules: wait, then make
+    it schedule once more so the snapshot covers everything before this call."""
+    time.sleep(0.35)
+    assert complete(client, "a", max_tokens=1).status_code == 200
+    r = client.get("/v1/mepic/stats")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chunk_blocks(stats: dict, request_id: str) -> list[list[int]]:
+    """Block ids of each chunk of the request whose API id was ``request_id``."""
+    for rid, blocks in stats["recent_chunk_blocks"]:
+        if rid.startswith(f"cmpl-{request_id}-"):
+            return blocks
+    raise AssertionError(f"{request_id} not in recent_chunk_blocks")
+
+
+def test_concurrent_chat_with_markers(server, client):
+    before = fresh_stats(client)["metrics"]
+
+    async def run() -> list[httpx.Response]:
+        limit = asyncio.Semaphore(8)
+        async with httpx.AsyncClient(base_url=server, timeout=REQUEST_TIMEOUT_S) as ac:
+
+            async def one(i: int) -> httpx.Response:
+                messages = [
+                    {"role": "system", "content": "Answer from the documents."},
+                    {"role": "user", "content": marked(DOCS[i % len(DOCS)], f"Question {i}?")},
+                ]
+                body = {"messages": messages, "max_tokens": 4, "temperature": 0.0}
+                async with limit:
+                    return await ac.post("/v1/chat/completions", json=body)
+
+            return await asyncio.gather(*(one(i) for i in range(50)))
+
+    responses = asyncio.run(asyncio.wait_for(run(), timeout=180))
+    for r in responses:
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "chat.completion"
+        choice = body["choices"][0]
+        assert choice["message"]["role"] == "assistant"
+        assert isinstance(choice["message"]["content"], str)
+        assert choice["finish_reason"] in ("length", "stop")
+        assert body["usage"]["completion_tokens"] >= 1
+    after = fresh_stats(client)["metrics"]
+    delta = {k: after[k] - before[k] for k in ("chunk_hits", "chunk_misses", "requests_admitted")}
+    # Each distinct document is computed at most once; every other use of it is a hit.
+    assert delta["requests_admitted"] == 50
+    assert delta["chunk_hits"] + delta["chunk_misses"] == 50
+    assert delta["chunk_misses"] <= len(DOCS)
+
+
+def test_chat_streaming_with_markers(client):
+    body = {
+        "messages": [{"role": "user", "content": marked(DOCS[0])}],
+        "max_tokens": 3,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_metrics_show_chunk_sharing(client):
+    for question in ("First?", "Second?"):
+        assert complete(client, marked(DOCS[1], question)).status_code == 200
+    fresh_stats(client)
+    text = client.get("/metrics").text
+
+    def value(name: str) -> float:
+        m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+        assert m, f"{name} missing from /metrics"
+        return float(m.group(1))
+
+    assert value("ascend_mepic_stats_available") == 1
+    assert value("ascend_mepic_chunk_hits_total") > 0
+    assert value("ascend_mepic_tokens_reused_total") > 0
+    shared = value('ascend_mepic_kv_blocks{category="chunk_shared_referenced"}') + value(
+        'ascend_mepic_kv_blocks{category="chunk_shared_idle"}'
+    )
+    assert shared > 0
+
+
+@pytest.mark.parametrize(
+    "prompt, needle",
+    [
+        (f"Q {BEGIN}doc without end", "offset 2 is never closed"),
+        (f"Q doc{END} tail", "no matching begin"),
+        (f"Q {BEGIN}a {BEGIN}b{END}{END} tail", "nested"),
+        (f"Q {BEGIN}{END} tail", "empty chunk"),
+        (f"Q {BEGIN}doc{END}", "must end with prompt text"),
+        ("Q <<<MEPIC_CHUNK_REF:0123456789abcdef>>> tail", "unknown chunk id"),
+        (f"Q {BEGIN}x <<<MEPIC_CHUNK_REF:abc>>>{END} tail", "inside chunk markers"),
+    ],
+)
+def test_malformed_requests_are_400_and_server_keeps_serving(client, prompt, needle):
+    r = complete(client, prompt)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
+    r = client.post("/v1/chat/completions", json=chat)
+    if needle.startswith("must end"):
+        # The chat template always writes prompt text after the last message.
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert needle in message
+        assert message.startswith("messages[0]") or "unknown chunk id" in needle
+    assert complete(client, marked(DOCS[2])).status_code == 200
+
+
+def test_requests_that_cannot_fit_are_400(client):
+    ids = [5 + i % 400 for i in range(1000)]
+    r = complete(
+        client,
+        [1, *ids, 7],
+        vllm_xargs={"mepic_segments": ["prompt", 1, "chunk", 1000, "prompt", 1]},
+    )
+    assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"]
+    # Fits max_model_len but not one step's chunk compile budget: the engine rejects it.
+    xargs = {"mepic_segments": ["prompt", 1, "chunk", 400, "prompt", 1]}
+    r = complete(client, [1, *ids[:400], 7], vllm_xargs=xargs)
+    assert r.status_code == 400 and "MEPIC rejected" in r.json()["error"]["message"]
+    r = complete(client, [1, *ids[:400], 7], vllm_xargs=xargs, stream=True)
+    assert r.status_code == 400 and "MEPIC rejected" in r.json()["error"]["message"]
+    bad = complete(client, [1, 2, 3], vllm_xargs={"mepic_segments": ["prompt", 2, "chunk", 1]})
+    assert bad.status_code == 400
+    assert complete(client, marked(DOCS[2])).status_code == 200
+
+
+def test_chunk_api_round_trip(client):
+    doc = DOCS[3] + " " + DOCS[0]
+    r = client.post("/v1/chunks", json={"text": doc})
+    assert r.status_code == 200, r.text
+    chunk = r.json()
+    assert chunk["num_tokens"] > 32 and chunk["num_shared_blocks"] >= 1
+    assert client.post("/v1/chunks", json={"text": doc}).json()["id"] == chunk["id"]
+    listed = client.get("/v1/chunks").json()["data"]
+    assert chunk["id"] in [c["id"] for c in listed]
+    assert fresh_stats(client)["metrics"]["pinned_chunks"] >= 1
+
+    ref = f"<<<MEPIC_CHUNK_REF:{chunk['id']}>>>"
+    r = complete(client, f"Context: {ref} What now?", request_id="ref-1")
+    assert r.status_code == 200, r.text
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": f"{ref} Summarize."}], "max_tokens": 2},
+    )
+    assert r.status_code == 200, r.text
+    # The reference reused the pinned chunk's blocks: the same shared blocks as a marked request.
+    assert complete(client, marked(doc), request_id="ref-2").status_code == 200
+    stats = fresh_stats(client)
+    assert chunk_blocks(stats, "ref-1")[0][1:] == chunk_blocks(stats, "ref-2")[0][1:]
+
+    assert client.delete(f"/v1/chunks/{chunk['id']}").status_code == 200
+    assert chunk["id"] not in [c["id"] for c in client.get("/v1/chunks").json()["data"]]
+    assert client.delete(f"/v1/chunks/{chunk['id']}").status_code == 404
+    assert complete(client, f"Context: {ref} What now?").status_code == 400
+    assert client.post("/v1/chunks", json={"text": "x", "token_ids": [1]}).status_code == 400
+
+
+def test_tenants_with_different_salts_share_no_chunk_blocks(client):
+    doc = DOCS[2] + " " + DOCS[1]
+    for rid, salt in (("salt-a-1", "tenant-a"), ("salt-a-2", "tenant-a"), ("salt-b-1", "tenant-b")):
+        r = complete(client, marked(doc), request_id=rid, cache_salt=salt)
+        assert r.status_code == 200, r.text
+    stats = fresh_stats(client)
+    a1, a2, b1 = (chunk_blocks(stats, rid)[0] for rid in ("salt-a-1", "salt-a-2", "salt-b-1"))
+    assert len(a1) >= 3
+    assert a1[1:] == a2[1:]  # the same tenant shares
+    assert not set(a1) & set(b1)  # another tenant shares nothing
+
+    # A chunk registered under one salt is unknown to requests with another.
+    cid = client.post("/v1/chunks", json={"text": doc, "cache_salt": "tenant-a"}).json()["id"]
+    ref = f"<<<MEPIC_CHUNK_REF:{cid}>>>"
+    assert complete(client, f"{ref} Q?", cache_salt="tenant-b").status_code == 400
+    assert complete(client, f"{ref} Q?", cache_salt="tenant-a").status_code == 200
+    assert client.delete(f"/v1/chunks/{cid}").status_code == 200
+
+
+def test_completions_match_offline_engine(client, model):
+    from transformers import AutoTokenizer
+
+    from tests.test_serving_offline import run_engine
+
+    tok = AutoTokenizer.from_pretrained(model)
+    text = f"Hello {BEGIN}{DOCS[0]} {DOCS[3]}{END} and {BEGIN}{DOCS[1]}{END} so, what?"
+    segments = segments_from_text(tok, text)
+    want_prompt = [t for s in segments for t in s.token_ids]
+    r = complete(client, text, max_tokens=8, return_token_ids=True)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["prompt_token_ids"] == want_prompt
+    flat = [x for s in segments for x in (s.kind.value, len(s.token_ids))]
+    token_level = complete(
+        client,
+        want_prompt,
+        max_tokens=8,
+        vllm_xargs={"mepic_segments": flat},
+        return_token_ids=True,
+    )
+    assert token_level.status_code == 200, token_level.text
+
+    job = {
+        "model": model,
+        "mepic": True,
+        "block_size": 32,
+        "max_model_len": 1024,
+        "max_tokens": 8,
+        "logprobs": 1,
+        "batches": [[{"segments": [[s.kind.value, list(s.token_ids)] for s in segments]}]],
+    }
+    offline = run_engine(job)["batches"][0][0]["tokens"]
+    assert choice["token_ids"] == offline
+    assert token_level.json()["choices"][0]["token_ids"] == offline
+
+
+# ---------------------------------------------------------------- without a server
+
+
+def test_plugin_changes_nothing_without_mepic_config():
+    from ascend_mepic.server import MepicEndpointPlugin
+
+    for additional in ({}, {"other": 1}, {"mepic": {"enabled": False}}):
+        app = FastAPI()
+        app.state.args = Namespace(additional_config=additional)
+        before = list(app.routes)
+        MepicEndpointPlugin().attach_router(app)
+        assert list(app.routes) == before
+        assert not hasattr(app.state, "mepic_config")
+
+
+def test_serve_defaults_merge_with_user_options():
+    import shutil
+
+    from ascend_mepic.server import apply_mepic_defaults
+
+    def args(**kw) -> Namespace:
+        base = dict(
+            scheduler_cls=None,
+            worker_cls="auto",
+            enable_prefix_caching=None,
+            block_size=None,
+            additional_config={},
+        )
+        return Namespace(**{**base, **kw})
+
+    a = args()
+    temp = apply_mepic_defaults(a, is_cpu=True)
+    assert a.scheduler_cls == "ascend_mepic.scheduler.MepicScheduler"
+    assert a.worker_cls == "ascend_mepic.worker.cpu_worker.MepicCPUWorker"
+    assert a.enable_prefix_caching is True and a.block_size == 32
+    assert a.additional_config["mepic"]["stats_file"].startswith(temp)
+    shutil.rmtree(temp)
+
+    a = args(block_size=16, additional_config={"x": 1, "mepic": {"stats_file": "/s.json"}})
+    assert apply_mepic_defaults(a, is_cpu=True) is None
+    assert a.block_size == 16
+    assert a.additional_config == {"x": 1, "mepic": {"stats_file": "/s.json"}}
+    with pytest.raises(ValueError, match="prefix caching"):
+        apply_mepic_defaults(args(enable_prefix_caching=False), is_cpu=True)
+    with pytest.raises(ValueError, match="unknown MEPIC option"):
+        apply_mepic_defaults(
+            args(additional_config={"mepic": {"bogus": 1, "stats_file": "/s"}}), is_cpu=True
+        )
+
+
+def test_marked_text_segments_with_references(model):
+    from transformers import AutoTokenizer
+
+    from ascend_mepic.markers import Markers
+    from ascend_mepic.server import MepicRequestError, marked_text_segments
+
+    tok = AutoTokenizer.from_pretrained(model)
+    doc = tok.encode("the river", add_special_tokens=False)
+
+    def resolve(chunk_id: str) -> list[int]:
+        if chunk_id != "abc":
+            raise MepicRequestError(f"unknown chunk id {chunk_id!r}")
+        return doc
+
+    text = f"Q <<<MEPIC_CHUNK_REF:abc>>> and {BEGIN}a dog{END} end"
+    segs = marked_text_segments(tok, text, Markers(), resolve, add_bos=True)
+    assert [s.kind.value for s in segs] == ["prompt", "chunk", "prompt", "chunk", "prompt"]
+    assert segs[1] == Segment.chunk(doc)
+    plain = segments_from_text(tok, f"Q {BEGIN}the river{END} and {BEGIN}a dog{END} end")
+    assert segs[2:] == plain[2:] and segs[0] == plain[0]
+    with pytest.raises(MarkerError, match="offset 2"):
+        marked_text_segments(tok, "Q <<<MEPIC_CHUNK_REF:abc end", Markers(), resolve, True)
+    with pytest.raises(MepicRequestError):
+        marked_text_segments(tok, "<<<MEPIC_CHUNK_REF:zzz>>> q", Markers(), resolve, True)
