@@ -22,13 +22,28 @@ from ascend_mepic.segments import EXTRA_ARGS_KEY, Segment
 
 SCHEDULER_CLS = "ascend_mepic.scheduler.MepicScheduler"
 CPU_WORKER_CLS = "ascend_mepic.worker.cpu_worker.MepicCPUWorker"
+GPU_WORKER_CLS = "ascend_mepic.worker.gpu_worker.MepicGPUWorker"
+
+
+def worker_cls_for_platform() -> str:
+    """MEPIC's worker for the current vLLM platform (CPU tested; CUDA untested; no NPU worker)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return CPU_WORKER_CLS
+    if current_platform.is_cuda():
+        return GPU_WORKER_CLS
+    raise ValueError(
+        f"MEPIC has no worker for platform {current_platform.device_type!r} yet; on Ascend, "
+        "vllm-ascend does not support vLLM 0.32 (see README: hardware)"
+    )
 
 
 def mepic_llm_kwargs(**options: Any) -> dict[str, Any]:
     """``LLM(...)`` / engine arguments that turn MEPIC on (options go to ``{"mepic": ...}``)."""
     return {
         "scheduler_cls": SCHEDULER_CLS,
-        "worker_cls": CPU_WORKER_CLS,
+        "worker_cls": worker_cls_for_platform(),
         "additional_config": {"mepic": dict(options)},
         "enable_prefix_caching": True,
     }

@@ -67,7 +67,7 @@ from vllm.exceptions import GenerationError, RetryableRequestError
 
 from ascend_mepic.config import MepicConfig
 from ascend_mepic.markers import MarkerError, Markers, split_marked_text
-from ascend_mepic.offline import CPU_WORKER_CLS, SCHEDULER_CLS
+from ascend_mepic.offline import CPU_WORKER_CLS, SCHEDULER_CLS, worker_cls_for_platform
 from ascend_mepic.segments import (
     EXTRA_ARGS_KEY,
     PIN_KEY,
@@ -993,10 +993,8 @@ def apply_mepic_defaults(args: Namespace, is_cpu: bool) -> str | None:
         args.scheduler_cls = SCHEDULER_CLS
     elif args.scheduler_cls != SCHEDULER_CLS:
         logger.warning("--scheduler-cls %s: it must subclass MepicScheduler", args.scheduler_cls)
-    if is_cpu and args.worker_cls in (None, "auto"):
-        args.worker_cls = CPU_WORKER_CLS
-    elif args.worker_cls in (None, "auto"):
-        logger.warning("no MEPIC worker for this platform here; pass --worker-cls")
+    if args.worker_cls in (None, "auto"):
+        args.worker_cls = CPU_WORKER_CLS if is_cpu else worker_cls_for_platform()
     if args.enable_prefix_caching is False:
         raise ValueError("MEPIC needs prefix caching; drop --no-enable-prefix-caching")
     args.enable_prefix_caching = True

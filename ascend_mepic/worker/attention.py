@@ -166,9 +166,13 @@ class MepicAttentionBackend(CPUAttentionBackend):
         return MepicAttentionMetadataBuilder
 
 
-def register_backend() -> None:
-    """Point vLLM's CPU_ATTN at this backend (in the worker process, before the model is built)."""
+def register_backend(names: tuple[str, ...] = ("CPU_ATTN",)) -> None:
+    """Point vLLM's backend names at this backend (worker process, before the model is built).
+
+    On CPU the platform always picks CPU_ATTN; the CUDA worker passes the CUDA names.
+    """
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.backends.registry import register_backend as vllm_register
 
-    vllm_register(AttentionBackendEnum.CPU_ATTN, f"{__name__}.MepicAttentionBackend")
+    for name in names:
+        vllm_register(AttentionBackendEnum[name], f"{__name__}.MepicAttentionBackend")

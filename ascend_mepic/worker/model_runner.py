@@ -1,4 +1,4 @@
-"""MepicCPUModelRunner: vLLM's CPU model runner that places MEPIC requests' tokens.
+"""MEPIC's model runners: vLLM's runners, placing MEPIC requests' tokens.
 
 vLLM numbers each request's scheduled tokens 0, 1, 2, ... and derives positions and KV slots from
 those numbers. For a MEPIC request the numbers index its in-context tokens (see ``token_map``), so
@@ -6,6 +6,9 @@ right after vLLM prepares a step's inputs this runner rewrites, for those reques
 positions (to logical positions) and the KV slot mapping (to the padded layout inside the request's
 block table), and publishes the step's position tables for the attention builder. Chunk compiles
 are ordinary sequences of the same batch. Everything else is vLLM's runner unchanged.
+
+``MepicRunnerMixin`` holds that logic; ``MepicCPUModelRunner`` applies it to vLLM's CPU runner
+(run and tested here) and ``worker/gpu_worker.py`` to the CUDA runner (untested: no GPU here).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from ascend_mepic.worker import step
 from ascend_mepic.worker.token_map import TokenMap
 
 
-class MepicCPUModelRunner(CPUModelRunner):
-    def __init__(self, vllm_config, device: torch.device) -> None:
-        super().__init__(vllm_config, device)
+class MepicRunnerMixin:
+    """Token placement for MEPIC requests; mixed into a vLLM ``GPUModelRunner`` subclass."""
+
+    def _init_mepic(self, vllm_config) -> None:
         self.mepic_block_size = vllm_config.cache_config.block_size
         self._token_maps: dict[str, TokenMap | None] = {}
 
@@ -69,3 +73,9 @@ class MepicCPUModelRunner(CPUModelRunner):
         if placed:
             self.positions[:num_tokens] = torch.from_numpy(positions).to(self.positions.device)
         step.publish(step.build_tables(num_tokens, positions, padded, blocks, self.device))
+
+
+class MepicCPUModelRunner(MepicRunnerMixin, CPUModelRunner):
+    def __init__(self, vllm_config, device: torch.device) -> None:
+        super().__init__(vllm_config, device)
+        self._init_mepic(vllm_config)
