@@ -450,3 +450,32 @@ def test_marked_text_segments_with_references(model):
         marked_text_segments(tok, "Q <<<MEPIC_CHUNK_REF:abc end", Markers(), resolve, True)
     with pytest.raises(MepicRequestError):
         marked_text_segments(tok, "<<<MEPIC_CHUNK_REF:zzz>>> q", Markers(), resolve, True)
+
+
+def test_client_disconnect_releases_every_block(server, client):
+    """A streaming request dropped mid-generation is aborted; its blocks and chunk references
+    go back (only idle chunks and cached prefix blocks remain)."""
+    body = {
+        "prompt": marked(DOCS[1], "Tell a long story."),
+        "max_tokens": 800,  # tens of seconds if it were not aborted
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(base_url=server, timeout=REQUEST_TIMEOUT_S) as other:
+        with other.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= 3:
+                    break  # drop the connection while the request still generates
+    deadline = time.monotonic() + 20
+    while True:
+        m = fresh_stats(client)["metrics"]
+        held = m["blocks_prompt_private"] + m["blocks_chunk_first_private"]
+        held += m["blocks_compile_scratch"]
+        if m["pinned_chunks"] == 0:
+            held += m["blocks_chunk_shared_referenced"]
+        if held == 0:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.5)
