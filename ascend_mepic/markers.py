@@ -86,6 +86,14 @@ def tokenize_segments(
         if not ids and piece.kind is SegmentKind.CHUNK:
             raise MarkerError(f"chunk {piece.text!r} tokenizes to nothing")
         segments.append(Segment(piece.kind, tuple(ids)))
+    return finish_segments(tokenizer, segments, add_bos)
+
+
+def finish_segments(
+    tokenizer: Tokenizer, segments: list[Segment], add_bos: bool = True
+) -> list[Segment]:
+    """Put BOS (if the tokenizer has one) in a leading prompt segment, drop empty segments and
+    check that the request ends with prompt tokens."""
     bos = getattr(tokenizer, "bos_token_id", None)
     if add_bos and bos is not None:
         if segments and segments[0].kind is SegmentKind.PROMPT:

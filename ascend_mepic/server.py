@@ -66,7 +66,7 @@ from vllm.entrypoints.serve.utils.sse_keep_alive import with_sse_keep_alive
 from vllm.exceptions import GenerationError, RetryableRequestError
 
 from ascend_mepic.config import MepicConfig
-from ascend_mepic.markers import MarkerError, Markers, split_marked_text
+from ascend_mepic.markers import MarkerError, Markers, finish_segments, split_marked_text
 from ascend_mepic.offline import CPU_WORKER_CLS, SCHEDULER_CLS, worker_cls_for_platform
 from ascend_mepic.segments import (
     EXTRA_ARGS_KEY,
@@ -212,16 +212,7 @@ def marked_text_segments(
         else:
             ids = list(item)
         segments.append(Segment(kind, tuple(ids)))
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if add_bos and bos is not None:
-        if segments and segments[0].kind is SegmentKind.PROMPT:
-            segments[0] = Segment.prompt((bos, *segments[0].token_ids))
-        else:
-            segments.insert(0, Segment.prompt((bos,)))
-    segments = [s for s in segments if s.token_ids]
-    if not segments or segments[-1].kind is not SegmentKind.PROMPT:
-        raise MarkerError("the text must end with prompt text after the last chunk")
-    return segments
+    return finish_segments(tokenizer, segments, add_bos)
 
 
 def flat_segments(segments: Sequence[Segment]) -> tuple[list[int], list[str | int]]:
