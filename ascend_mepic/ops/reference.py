@@ -69,9 +69,14 @@ def _cos_sin(rope: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
     xf = x.float()
-    if neox:
-        x1, x2 = xf.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    if neox:  # written into one output, with fused multiply-adds: the decode hot path
+        half = x.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.empty_like(xf)
+        lo, hi = out[..., :half], out[..., half:]
+        torch.mul(x1, cos, out=lo).addcmul_(x2, sin, value=-1)
+        torch.mul(x2, cos, out=hi).addcmul_(x1, sin)
+        return out.to(x.dtype)
     x1, x2 = xf[..., 0::2], xf[..., 1::2]
     out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
     return out.to(x.dtype)
