@@ -10,16 +10,17 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ascend_mepic.markers import DEFAULT_BEGIN, DEFAULT_END
+from ascend_mepic.policies import parse_policy
 from ascend_mepic.segments import DEFAULT_PAD_TOKEN_ID
-
-POLICIES = ("mepic", "full")
 
 
 @dataclass(frozen=True)
 class MepicConfig:
     enabled: bool = True
-    # "mepic": share chunk KV, recompute each chunk's first block in context.
-    # "full": ignore segments and compute every token (the accuracy reference).
+    # A PIC policy (see ascend_mepic/policies.py): "mepic" shares chunk KV and recomputes each
+    # chunk's first block in context; "full" ignores segments (the accuracy reference); the
+    # papers' baselines are "naive", "epic-K", "legolink-0", "cacheblend-R", "cachetune-R", and
+    # "mepic-K" recomputes only K tokens of the first block.
     policy: str = "mepic"
     pad_token_id: int = DEFAULT_PAD_TOKEN_ID
     chunk_begin: str = DEFAULT_BEGIN
@@ -42,6 +43,5 @@ class MepicConfig:
         if unknown:
             raise ValueError(f"unknown MEPIC option(s) {unknown}; known: {sorted(known)}")
         config = cls(**raw)
-        if config.policy not in POLICIES:
-            raise ValueError(f"unknown MEPIC policy {config.policy!r}; choose from {POLICIES}")
+        parse_policy(config.policy)  # ValueError names the choices
         return config

@@ -16,6 +16,7 @@ bookkeeping work unchanged. Only full-attention models with a single KV cache gr
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -29,11 +30,16 @@ from vllm.v1.request import Request
 from vllm.v1.utils import ConstantList
 
 from ascend_mepic.chunk_cache import ChunkCache, ChunkEntry, ChunkState
+from ascend_mepic.host_store import HostChunkStore, host_store
 from ascend_mepic.identity import ChunkId, chunk_identity
 from ascend_mepic.plan import ChunkCompile, RequestPlan, Residency
+from ascend_mepic.policies import Placement, Policy, parse_policy
 from ascend_mepic.segments import (
+    BLEND_KEY,
     EXTRA_ARGS_KEY,
+    FRESH_SLOTS_KEY,
     IN_CONTEXT_KEY,
+    LOADS_KEY,
     PIN_KEY,
     BlockKind,
     Layout,
@@ -59,6 +65,15 @@ class MepicCounters:
     tokens_computed: int = 0
     requests_admitted: int = 0
     admissions_deferred: int = 0
+    blocks_loaded: int = 0
+
+
+class BlockRole(str, enum.Enum):
+    """Where a layout block's KV comes from in one request."""
+
+    PRIVATE = "private"  # computed in the request's context (or a prefix-cache hit)
+    SHARED = "shared"  # a chunk's canonical block in the pool, referenced
+    LOAD = "load"  # private, filled from the host store, then fresh slots overwritten
 
 
 @dataclass
@@ -66,8 +81,8 @@ class _RequestState:
     """Scheduling-path state of one MEPIC request; survives preemption, dropped when finished."""
 
     layout: Layout
-    chunk_ids: dict[int, ChunkId | None]  # chunk segment -> identity; None if single-block
-    shared: list[bool]  # per layout block: True for a cacheable chunk's canonical block
+    chunk_ids: dict[int, ChunkId | None]  # chunk segment -> identity; None if not cached
+    roles: list[BlockRole]  # per layout block
     compact_slots: list[int] = field(default_factory=list)  # padded index of in-context token i
     compact_before: list[int] = field(default_factory=list)  # in-context tokens before block i
     entries: list[ChunkEntry] = field(default_factory=list)  # acquired, one per occurrence
@@ -78,6 +93,10 @@ class _RequestState:
     @property
     def allocated(self) -> bool:
         return self.plan is not None
+
+    @property
+    def shared(self) -> list[bool]:
+        return [r is BlockRole.SHARED for r in self.roles]
 
     @property
     def num_in_context(self) -> int:
@@ -97,6 +116,7 @@ def mepic_block_hashes(
     padded_token_ids: list[int],
     hash_fn: Callable[[Any], bytes],
     cache_salt: str | None,
+    policy: str = "mepic",
 ) -> list[BlockHash]:
     """Prefix-chained hashes of the layout's full blocks, with a layout key on every block.
 
@@ -106,7 +126,7 @@ def mepic_block_hashes(
     hashes: list[BlockHash] = []
     parent: BlockHash | None = None
     for spec in layout.blocks[: len(padded_token_ids) // bs]:
-        extra: tuple[Any, ...] = ("mepic", spec.kind.value, spec.valid_start, spec.valid_end)
+        extra: tuple[Any, ...] = (policy, spec.kind.value, spec.valid_start, spec.valid_end)
         if spec.index == 0 and cache_salt:
             extra = (cache_salt, *extra)
         tokens = padded_token_ids[spec.index * bs : (spec.index + 1) * bs]
@@ -152,6 +172,11 @@ class MepicKVCacheManager(KVCacheManager):
         # Recent admissions' chunk block ids, for operators and tests (bounded).
         self.recent_chunk_blocks: deque[tuple[str, list[list[int]]]] = deque(maxlen=1024)
         self.mepic_block_size = self._single.block_size
+        self.policy: Policy = parse_policy("mepic")
+        self.dummy_token_id = 0  # LegoLink-0's dummy token (the model's BOS)
+        self.store: HostChunkStore = host_store()
+        # Host-store compiles in flight: chunk -> temporary blocks, freed once the step ran.
+        self._store_pending: dict[ChunkId, list[KVCacheBlock]] = {}
 
     @staticmethod
     def _check_supported(config: KVCacheConfig) -> None:
@@ -172,19 +197,16 @@ class MepicKVCacheManager(KVCacheManager):
     def is_tracked(self, request_id: str) -> bool:
         return request_id in self._states
 
-    def track(self, request: Request) -> bool:
-        """Register a request carrying ``extra_args[EXTRA_ARGS_KEY]``; False if it has none.
+    def inspect(self, request: Request) -> tuple[Layout, dict[int, ChunkId | None]] | None:
+        """Validate a segmented request and name its cached chunks; None if it has no segments.
 
-        The request arrives with its real prompt tokens and segment lengths. Validates the layout
-        and that the request can ever fit (LayoutError / MepicCapacityError, before anything is
-        allocated), then rewrites the engine request to its in-context tokens only (prompt blocks
-        and chunk first blocks, in layout order): those are all vLLM will schedule and compute for
-        it; chunk blocks after the first are shared or compiled as separate sequences.
+        Raises LayoutError / MepicCapacityError / MepicUnsupportedError before anything is
+        allocated, so a bad request never disturbs others.
         """
         params = request.sampling_params
         extra = params.extra_args if params else None
         if not extra or EXTRA_ARGS_KEY not in extra:
-            return False
+            return None
         if not self.enable_caching:
             raise MepicUnsupportedError("MEPIC requests need prefix caching enabled")
         if params is not None and params.prompt_logprobs is not None:
@@ -194,50 +216,166 @@ class MepicKVCacheManager(KVCacheManager):
         layout = layout_from_real(
             list(request.prompt_token_ids or []), extra[EXTRA_ARGS_KEY], self.mepic_block_size
         )
-        room = self.max_model_len - layout.num_padded_tokens
-        if room <= 0:
+        if layout.num_padded_tokens >= self.max_model_len:
             raise MepicCapacityError(
                 f"padded prompt of {layout.num_padded_tokens} tokens leaves no room in the "
                 f"model's max_model_len {self.max_model_len}"
             )
         chunk_ids: dict[int, ChunkId | None] = {}
-        shared = [False] * layout.num_blocks
         for span in layout.chunk_spans:
-            if span.num_blocks < 2:
-                chunk_ids[span.segment] = None
-                continue
-            chunk_ids[span.segment] = chunk_identity(
-                layout.chunk_tokens(span),
-                layout.block_size,
-                self.model_fingerprint,
-                request.cache_salt,
+            cached = self.policy.chunk_is_cached(span.num_tokens, layout.block_size)
+            chunk_ids[span.segment] = (
+                chunk_identity(
+                    layout.chunk_tokens(span),
+                    layout.block_size,
+                    self.model_fingerprint,
+                    request.cache_salt,
+                )
+                if cached
+                else None
             )
-            for b in range(span.first_block + 1, span.first_block + span.num_blocks):
-                shared[b] = True
         self._check_compile_budget(layout, chunk_ids)
-        worst_case = layout.num_blocks + sum(1 for c in chunk_ids.values() if c is not None)
+        private = self.policy.placement is Placement.PRIVATE
+        worst_case = layout.num_blocks + (
+            1 if private else sum(1 for c in chunk_ids.values() if c is not None)
+        )
         usable = self.block_pool.num_gpu_blocks - 1 - self.chunk_cache.num_pinned_blocks()
         if worst_case > usable:
             raise MepicCapacityError(
                 f"request needs up to {worst_case} KV blocks (layout {layout.num_blocks} + "
                 f"compile scratch) but the pool has only {usable} usable blocks"
             )
-        padded = layout.padded_token_ids()
-        compact_slots = layout.in_context_slots()
+        return layout, chunk_ids
+
+    def track(self, request: Request) -> bool:
+        """Register a request carrying ``extra_args[EXTRA_ARGS_KEY]``; False if it has none.
+
+        The request arrives with its real prompt tokens and segment lengths. After validation
+        (``inspect``) the engine request is rewritten to its in-context tokens only, in layout
+        order: prompt tokens and the chunk tokens the policy computes in context (for MEPIC each
+        chunk's first block). Those are all vLLM schedules for it; other chunk tokens are shared,
+        loaded, or compiled as separate sequences. Policies that load chunk KV must have their
+        chunks stored first (``stage``).
+        """
+        found = self.inspect(request)
+        if found is None:
+            return False
+        layout, chunk_ids = found
+        extra = request.sampling_params.extra_args
+        bs, policy = layout.block_size, self.policy
+        roles = [BlockRole.PRIVATE] * layout.num_blocks
+        fresh: set[int] = set()
+        for ci, span in enumerate(layout.chunk_spans):
+            chunk_id = chunk_ids[span.segment]
+            base = span.first_block * bs + span.pad
+            if chunk_id is None:
+                fresh.update(range(base, base + span.num_tokens))
+                continue
+            scores = self.store.scores(chunk_id) if policy.needs_scores else None
+            offsets = policy.fresh_tokens(ci, span.num_tokens, bs, scores)
+            fresh.update(base + o for o in offsets)
+            for j in range(span.num_blocks):
+                b = span.first_block + j
+                if policy.placement is Placement.PRIVATE:
+                    roles[b] = BlockRole.LOAD
+                elif j > 0 or policy.keeps_first_block:
+                    roles[b] = BlockRole.SHARED
+                elif policy.kind == "mepic-k":
+                    roles[b] = BlockRole.LOAD
+        compact_slots = sorted(
+            slot
+            for spec in layout.blocks
+            for slot in range(spec.index * bs + spec.valid_start, spec.index * bs + spec.valid_end)
+            if spec.kind is BlockKind.PROMPT or slot in fresh
+        )
         compact_before = [0] * (layout.num_blocks + 1)
         for slot in compact_slots:
-            compact_before[slot // layout.block_size + 1] += 1
+            compact_before[slot // bs + 1] += 1
         for i in range(layout.num_blocks):
             compact_before[i + 1] += compact_before[i]
+        padded = layout.padded_token_ids()
         _set_prompt(request, [padded[i] for i in compact_slots])
         # Layout-keyed hashes of the prompt's full blocks; decode blocks are not prefix-cached.
-        request.block_hashes = mepic_block_hashes(layout, padded, self.hash_fn, request.cache_salt)
-        request.max_tokens = min(request.max_tokens, room)
+        request.block_hashes = mepic_block_hashes(
+            layout, padded, self.hash_fn, request.cache_salt, policy.name
+        )
+        request.max_tokens = min(request.max_tokens, self.max_model_len - layout.num_padded_tokens)
         extra[IN_CONTEXT_KEY] = True  # tells the worker the prompt is in in-context form
+        if policy.kind != "mepic":
+            extra[FRESH_SLOTS_KEY] = compact_slots
+        if policy.dynamic:
+            extra[BLEND_KEY] = [policy.ratio, policy.check_layer]
         self._states[request.request_id] = _RequestState(
-            layout, chunk_ids, shared, compact_slots, compact_before, pin=bool(extra.get(PIN_KEY))
+            layout, chunk_ids, roles, compact_slots, compact_before, pin=bool(extra.get(PIN_KEY))
         )
         return True
+
+    # ---------------------------------------------------------------- staging (loading policies)
+
+    def chunks_stored(self, request: Request) -> bool:
+        """Whether every chunk a loading policy copies from is in the host store."""
+        found = self.inspect(request)
+        assert found is not None
+        return all(c is None or self.store.contains(c) for c in found[1].values())
+
+    def stage(self, request: Request) -> bool:
+        """Make sure the chunks a loading policy copies from are in the host store.
+
+        Issues their compiles (within this step's compile room, into temporary blocks the worker
+        saves from after the forward pass); True once every chunk is stored.
+        """
+        found = self.inspect(request)
+        assert found is not None
+        layout, chunk_ids = found
+        ready = True
+        for span in layout.chunk_spans:
+            chunk_id = chunk_ids[span.segment]
+            if chunk_id is None or self.store.contains(chunk_id):
+                continue
+            ready = False
+            if chunk_id in self._store_pending:
+                continue
+            tokens = layout.chunk_tokens(span)
+            if self.policy.kind == "mepic-k":  # only the canonical first block is stored
+                first = span.num_tokens - layout.block_size * (span.num_blocks - 1)
+                tokens, num_blocks = tokens[:first], 1
+            else:
+                num_blocks = span.num_blocks
+            dummy = (self.dummy_token_id,) * self.policy.dummy_tokens
+            table_len = num_blocks + (1 if dummy else 0)
+            if (
+                len(tokens) + len(dummy) > self._step_tokens_left
+                or self._step_seqs_left < 1
+                or table_len > self.block_pool.get_num_free_blocks()
+                - self.watermark_blocks
+                + self.chunk_cache.lru.evictable_blocks()
+            ):
+                self.counters.admissions_deferred += 1
+                continue
+            if table_len > self.block_pool.get_num_free_blocks() - self.watermark_blocks:
+                self.chunk_cache.evict_until_free(table_len + self.watermark_blocks)
+            blocks = self.block_pool.get_new_blocks(table_len)
+            self._store_pending[chunk_id] = blocks
+            pad = num_blocks * layout.block_size - len(tokens)
+            self._step_compiles.append(
+                (
+                    request.request_id,
+                    ChunkCompile(
+                        chunk_id,
+                        tokens,
+                        pad,
+                        tuple(b.block_id for b in blocks),
+                        dummy_tokens=dummy,
+                        store_blocks=num_blocks,
+                        store_scores=self.policy.needs_scores,
+                    ),
+                )
+            )
+            self._step_tokens_left -= len(tokens) + len(dummy)
+            self._step_seqs_left -= 1
+            self.counters.tokens_computed += len(tokens) + len(dummy)
+            self.counters.chunk_misses += 1
+        return ready
 
     def unpin_chunks(self, request: Request) -> int:
         """Unpin the chunks of a control request (its segments name them); returns how many.
@@ -305,14 +443,18 @@ class MepicKVCacheManager(KVCacheManager):
             hits.append(block)
         return hits
 
+    def _entry_block(self, st: _RequestState, entry: ChunkEntry, i: int) -> KVCacheBlock:
+        """The canonical pool block of layout block ``i`` (a chunk block) in ``entry``."""
+        span = st.layout.spans[st.layout.blocks[i].segment]
+        return entry.blocks[i - span.first_block - (0 if self.policy.keeps_first_block else 1)]
+
     def _resident_block(self, request: Request, st: _RequestState, i: int) -> KVCacheBlock | None:
-        if i < len(st.shared) and st.shared[i]:
+        if st.roles[i] is BlockRole.SHARED:
             spec = st.layout.blocks[i]
             entry = self.chunk_cache.lookup(st.chunk_ids[spec.segment] or "")
             if entry is None:
                 return None
-            span = st.layout.spans[spec.segment]
-            return entry.blocks[i - span.first_block - 1]
+            return self._entry_block(st, entry, i)
         if i >= len(request.block_hashes):
             return None
         cached = self.block_pool.get_cached_block(request.block_hashes[i], [0])
@@ -389,10 +531,14 @@ class MepicKVCacheManager(KVCacheManager):
         reused: dict[int, ChunkEntry] = {}  # chunk segment -> resident entry
         new_chunks: dict[ChunkId, list[int]] = {}  # first-time chunk -> its segments
         residency: list[Residency] = []
+        private = self.policy.placement is Placement.PRIVATE
         for span in layout.chunk_spans:
             chunk_id = st.chunk_ids[span.segment]
             if chunk_id is None:
                 residency.append(Residency.SINGLE_BLOCK)
+                continue
+            if private:
+                residency.append(Residency.HOST)
                 continue
             entry = self.chunk_cache.lookup(chunk_id)
             if entry is not None:
@@ -406,9 +552,11 @@ class MepicKVCacheManager(KVCacheManager):
                 residency.append(Residency.COMPILE if first else Residency.IN_FLIGHT)
         new_chunk_blocks = sum(
             layout.spans[segs[0]].num_blocks for segs in new_chunks.values()
-        )  # canonical blocks plus one scratch block each
+        )  # canonical blocks plus one scratch block each (naive: all canonical, no scratch)
         num_new_private = sum(
-            1 for i in range(n_hit, num_table) if i >= len(st.shared) or not st.shared[i]
+            1
+            for i in range(n_hit, num_table)
+            if i >= len(st.roles) or st.roles[i] is not BlockRole.SHARED
         )
         compile_tokens = sum(layout.spans[segs[0]].num_tokens for segs in new_chunks.values())
         if compile_tokens > self._step_tokens_left or len(new_chunks) > self._step_seqs_left:
@@ -433,10 +581,14 @@ class MepicKVCacheManager(KVCacheManager):
         compiles: list[ChunkCompile] = []
         for chunk_id, segs in new_chunks.items():
             span = layout.spans[segs[0]]
+            keep_first = self.policy.keeps_first_block
             entry = self.chunk_cache.create(
-                chunk_id, span.num_tokens, span.num_blocks - 1, request.request_id
+                chunk_id,
+                span.num_tokens,
+                span.num_blocks - (0 if keep_first else 1),
+                request.request_id,
             )
-            scratch = self.block_pool.get_new_blocks(1)
+            scratch = [] if keep_first else self.block_pool.get_new_blocks(1)
             st.scratch.extend(scratch)
             created[chunk_id] = entry
             compiles.append(
@@ -444,7 +596,7 @@ class MepicKVCacheManager(KVCacheManager):
                     chunk_id,
                     layout.chunk_tokens(span),
                     span.pad,
-                    (scratch[0].block_id, *entry.block_ids),
+                    (*(b.block_id for b in scratch), *entry.block_ids),
                 )
             )
             for _ in segs:
@@ -456,21 +608,31 @@ class MepicKVCacheManager(KVCacheManager):
         table = list(hits)
         new_blocks: list[KVCacheBlock] = []
         shared_touch: list[KVCacheBlock] = []
+        loads: list[list[Any]] = []
         for i in range(n_hit, num_table):
-            if i < len(st.shared) and st.shared[i]:
-                spec = layout.blocks[i]
-                block = reused[spec.segment].blocks[i - layout.spans[spec.segment].first_block - 1]
+            role = st.roles[i] if i < len(st.roles) else BlockRole.PRIVATE
+            if role is BlockRole.SHARED:
+                block = self._entry_block(st, reused[layout.blocks[i].segment], i)
                 shared_touch.append(block)
                 table.append(block)
-            else:
-                block = self.block_pool.get_new_blocks(1)[0]
-                new_blocks.append(block)
-                table.append(block)
+                continue
+            block = self.block_pool.get_new_blocks(1)[0]
+            new_blocks.append(block)
+            table.append(block)
+            if role is BlockRole.LOAD:
+                span = layout.spans[layout.blocks[i].segment]
+                offset = i - span.first_block if private else 0
+                loads.append([st.chunk_ids[span.segment], offset, block.block_id])
         self.block_pool.touch(shared_touch)
         self._single.req_to_blocks[request.request_id] = table
         self._single.num_cached_block[request.request_id] = n_hit
+        if loads or LOADS_KEY in request.sampling_params.extra_args:
+            request.sampling_params.extra_args[LOADS_KEY] = loads
+        self.counters.blocks_loaded += len(loads)
 
-        compute = tuple(i for i in range(n_hit, layout.num_blocks) if not st.shared[i])
+        compute = tuple(
+            i for i in range(n_hit, layout.num_blocks) if st.roles[i] is not BlockRole.SHARED
+        )
         st.plan = RequestPlan(
             request.request_id,
             layout,
@@ -504,8 +666,20 @@ class MepicKVCacheManager(KVCacheManager):
         c.chunk_hits += sum(r in (Residency.RESIDENT, Residency.IN_FLIGHT) for r in residency)
         c.chunk_misses += sum(r is Residency.COMPILE for r in residency)
         assert st.plan is not None
-        c.tokens_computed += st.plan.num_compute_tokens
-        c.tokens_reused += st.plan.num_reused_tokens
+        if self.policy.kind == "mepic":
+            computed = st.plan.num_compute_tokens
+            reused = st.plan.num_reused_tokens
+        else:
+            in_context = st.num_in_context - st.compact_before[st.plan.num_prefix_hit_blocks]
+            computed = in_context + sum(len(x.token_ids) for x in st.plan.compiles)
+            # A compile's first-block tokens are also recomputed in context, unless the policy
+            # keeps the canonical first block (naive).
+            overlap = 0 if self.policy.keeps_first_block else self.mepic_block_size
+            reused = st.layout.num_real_tokens - in_context - sum(
+                len(x.token_ids) - max(0, overlap - x.pad) for x in st.plan.compiles
+            )
+        c.tokens_computed += computed
+        c.tokens_reused += reused
 
     def _grow(
         self, request: Request, st: _RequestState, num_need_slot: int, reserved: int
@@ -531,7 +705,16 @@ class MepicKVCacheManager(KVCacheManager):
         num_full = min(padded_end // self.mepic_block_size, len(request.block_hashes))
         if num_full <= num_cached:
             return
-        mask = [not (i < len(st.shared) and st.shared[i]) for i in range(num_cached, num_full)]
+        # Private-placement baselines do not combine chunk KV with prefix caching (their own
+        # systems cannot; CacheBlend's selection even depends on later chunks): only the
+        # prompt blocks before the first chunk enter the prefix cache.
+        limit = num_full
+        if self.policy.placement is Placement.PRIVATE and st.layout.chunk_spans:
+            limit = min(num_full, st.layout.chunk_spans[0].first_block)
+        mask = [
+            i < limit and (i >= len(st.roles) or st.roles[i] is not BlockRole.SHARED)
+            for i in range(num_cached, num_full)
+        ]
         self.block_pool.cache_full_blocks(
             request=request,
             blocks=self._single.req_to_blocks[rid],
@@ -558,7 +741,12 @@ class MepicKVCacheManager(KVCacheManager):
         Called before finished requests are released, so a request that ends in the step that
         compiled its chunks leaves them resident (idle) rather than dropping them.
         """
-        self.chunk_cache.commit_pending()
+        for entry in self.chunk_cache.commit_pending():
+            if entry.refs == 0 and not entry.pinned:  # its only user already left
+                self.chunk_cache.lru.add(entry)
+        for blocks in self._store_pending.values():  # the worker saved them after the forward
+            self.block_pool.free_blocks(blocks)
+        self._store_pending = {}
         for st in self._states.values():
             if st.scratch:
                 self.block_pool.free_blocks(st.scratch)
@@ -622,13 +810,19 @@ class MepicKVCacheManager(KVCacheManager):
             1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None and not b.is_null
         )
         referenced_chunk = self.chunk_cache.num_blocks(referenced=True)
-        scratch = sum(len(st.scratch) for st in self._states.values())
-        chunk_first = set()
+        scratch = sum(len(st.scratch) for st in self._states.values()) + sum(
+            len(b) for b in self._store_pending.values()
+        )
+        chunk_first, chunk_private = set(), 0
         for rid, st in self._states.items():
             table = self._single.req_to_blocks.get(rid, [])
-            for spec in st.layout.blocks:
-                if spec.kind is BlockKind.CHUNK_FIRST and spec.index < len(table):
+            for spec in st.layout.blocks[: len(table)]:
+                if st.roles[spec.index] is BlockRole.SHARED:
+                    continue
+                if spec.kind is BlockKind.CHUNK_FIRST:
                     chunk_first.add(table[spec.index].block_id)
+                elif spec.kind is BlockKind.CHUNK_SHARED:
+                    chunk_private += 1  # a private copy of a chunk block (private placement)
         used = self.num_used_blocks()
         cats = {
             "free": pool.get_num_free_blocks() - prefix_cached_free,
@@ -636,9 +830,12 @@ class MepicKVCacheManager(KVCacheManager):
             "chunk_shared_referenced": referenced_chunk,
             "chunk_shared_idle": self.chunk_cache.lru.num_blocks,
             "chunk_first_private": len(chunk_first),
+            "chunk_private": chunk_private,
             "compile_scratch": scratch,
         }
-        cats["prompt_private"] = used - referenced_chunk - len(chunk_first) - scratch
+        cats["prompt_private"] = (
+            used - referenced_chunk - len(chunk_first) - chunk_private - scratch
+        )
         return cats
 
     def metrics(self) -> dict[str, int]:
@@ -651,6 +848,8 @@ class MepicKVCacheManager(KVCacheManager):
             "tokens_computed": c.tokens_computed,
             "requests_admitted": c.requests_admitted,
             "admissions_deferred": c.admissions_deferred,
+            "blocks_loaded": c.blocks_loaded,
+            "host_store_chunks": len(self.store.chunks),
             "resident_chunks": len(self.chunk_cache.entries),
             "pinned_chunks": sum(e.pinned for e in self.chunk_cache.entries.values()),
             **{f"blocks_{k}": v for k, v in self.block_categories().items()},

@@ -41,11 +41,12 @@ def worker_cls_for_platform() -> str:
 
 def mepic_llm_kwargs(**options: Any) -> dict[str, Any]:
     """``LLM(...)`` / engine arguments that turn MEPIC on (options go to ``{"mepic": ...}``)."""
+    policy = str(options.get("policy", "mepic"))
     return {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": worker_cls_for_platform(),
         "additional_config": {"mepic": dict(options)},
-        "enable_prefix_caching": True,
+        "enable_prefix_caching": policy != "full",
     }
 
 

@@ -14,6 +14,7 @@ class Residency(str, enum.Enum):
     IN_FLIGHT = "in-flight"  # being compiled by another request in this same step
     COMPILE = "compile"  # first time: this request compiles it
     SINGLE_BLOCK = "single-block"  # fits in its first block: nothing to share, computed in context
+    HOST = "host"  # private placement: copied from the host store into the request's blocks
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,17 @@ class ChunkCompile:
     token_ids: tuple[int, ...]
     pad: int
     block_ids: tuple[int, ...]
+    # Private-placement and mepic-K compiles: leading dummy tokens (LegoLink-0) in a block of
+    # their own, and how many trailing blocks the worker saves to the host store afterwards.
+    dummy_tokens: tuple[int, ...] = ()
+    store_blocks: int = 0
+    store_scores: bool = False
+
+    @property
+    def segment_lengths(self) -> list[list]:
+        """The compile's own layout (``extra_args[COMPILE_KEY]`` for the worker)."""
+        chunk = ["chunk", len(self.token_ids)]
+        return [["prompt", len(self.dummy_tokens)], chunk] if self.dummy_tokens else [chunk]
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,11 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
 from ascend_mepic.config import MepicConfig
+from ascend_mepic.host_store import host_store
 from ascend_mepic.identity import model_fingerprint
 from ascend_mepic.kv_manager import MepicKVCacheManager
-from ascend_mepic.segments import COMPILE_KEY, UNPIN_KEY, LayoutError
+from ascend_mepic.policies import Placement, parse_policy
+from ascend_mepic.segments import COMPILE_KEY, STORE_KEY, UNPIN_KEY, LayoutError
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,17 @@ class MepicScheduler(Scheduler):
         )
         self._reserve_compile_room()
         self._compiles_to_finish: set[str] = set()
+        self.policy = parse_policy(self.mepic_config.policy)
+        self.kv_cache_manager.policy = self.policy
+        bos = getattr(model.hf_config, "bos_token_id", None)
+        self.kv_cache_manager.dummy_token_id = int(bos) if bos is not None else 0
+        # Requests of loading policies wait here until their chunks are in the host store.
+        self._staged: dict[str, Request] = {}
+        if self.policy.loads_kv and not host_store().worker_attached:
+            raise ValueError(
+                f"policy {self.policy.name!r} copies chunk KV from the host store, which needs "
+                "the worker in the engine process (vLLM's single-worker 'uni' executor)"
+            )
         logger.info(
             "MEPIC scheduling path on: block size %d, %d KV blocks, compile room %d tokens / "
             "%d sequences per step",
@@ -102,7 +115,7 @@ class MepicScheduler(Scheduler):
         manager = self.mepic_manager
         if (
             manager is None
-            or self.mepic_config.policy == "full"
+            or self.policy.placement is Placement.NONE
             or request.request_id in self.requests
         ):
             super().add_request(request)
@@ -120,15 +133,49 @@ class MepicScheduler(Scheduler):
             self._finish_now(request, status)
             return
         try:
+            if self.policy.loads_kv and manager.inspect(request) is not None:
+                self._staged[request.request_id] = request
+                return
             manager.track(request)
         except (LayoutError, ValueError) as e:
-            logger.warning("MEPIC rejected request %s: %s", request.request_id, e)
-            super().add_request(request)
-            self.mepic_errors[request.request_id] = (request.client_index, str(e))
-            manager.forget(request.request_id)
-            self._finish_now(request, RequestStatus.FINISHED_ERROR)
+            self._reject(request, e)
             return
         super().add_request(request)
+
+    def _reject(self, request: Request, error: Exception) -> None:
+        logger.warning("MEPIC rejected request %s: %s", request.request_id, error)
+        super().add_request(request)
+        self.mepic_errors[request.request_id] = (request.client_index, str(error))
+        self.kv_cache_manager.forget(request.request_id)
+        self._finish_now(request, RequestStatus.FINISHED_ERROR)
+
+    def _release_staged(self) -> None:
+        """Staged requests whose chunks are all stored join vLLM's waiting queue (FIFO)."""
+        manager = self.kv_cache_manager
+        for request_id, request in list(self._staged.items()):
+            if not manager.chunks_stored(request):
+                continue
+            del self._staged[request_id]
+            try:
+                manager.track(request)
+            except (LayoutError, ValueError) as e:
+                self._reject(request, e)
+                continue
+            super().add_request(request)
+
+    def _stage_compiles(self) -> None:
+        for request in self._staged.values():
+            self.kv_cache_manager.stage(request)
+
+    def get_num_unfinished_requests(self) -> int:
+        return super().get_num_unfinished_requests() + len(getattr(self, "_staged", ()))
+
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> Any:
+        staged = getattr(self, "_staged", {})
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            staged.pop(request_id, None)
+        return super().finish_requests(ids, finished_status)
 
     def _finish_now(self, request: Request, status: RequestStatus) -> None:
         """Finish a request at arrival; its output (no tokens) goes out with the next step."""
@@ -136,8 +183,12 @@ class MepicScheduler(Scheduler):
         self.finish_requests(request.request_id, status)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        if self.mepic_manager is not None and self._staged:
+            self._release_staged()
         output = super().schedule(*args, **kwargs)
         if self.mepic_manager is not None:
+            if self._staged:
+                self._stage_compiles()
             self._add_compiles(output)
             self._publish_stats()
         return output
@@ -176,12 +227,21 @@ class MepicScheduler(Scheduler):
         self._compiles_to_finish = set()
         for request_id, compile_ in self.kv_cache_manager.take_step_compiles():
             compile_id = f"mepic-compile-{compile_.chunk_id[:16]}-{request_id}"
-            n = len(compile_.token_ids)
-            params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={COMPILE_KEY: n})
+            tokens = [*compile_.dummy_tokens, *compile_.token_ids]
+            n = len(tokens)
+            extra: dict[str, Any] = {COMPILE_KEY: compile_.segment_lengths}
+            if compile_.store_blocks:
+                extra[STORE_KEY] = [
+                    compile_.chunk_id,
+                    compile_.store_blocks,
+                    compile_.store_scores,
+                    len(compile_.token_ids),
+                ]
+            params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)
             output.scheduled_new_reqs.append(
                 NewRequestData(
                     req_id=compile_id,
-                    prompt_token_ids=list(compile_.token_ids),
+                    prompt_token_ids=tokens,
                     mm_features=[],
                     sampling_params=params,
                     pooling_params=None,

@@ -32,6 +32,14 @@ COMPILE_KEY = "mepic_compile"
 # and the explicit-chunk controls: pin the request's chunks once computed / unpin them.
 PIN_KEY = "mepic_pin"
 UNPIN_KEY = "mepic_unpin"
+# Set by the scheduler for policies other than MEPIC: the padded indices computed in context,
+# the blocks to fill from the host store ([[chunk id, block offset, block id], ...]) and
+# CacheBlend's [ratio, check layer].
+FRESH_SLOTS_KEY = "mepic_fresh_slots"
+LOADS_KEY = "mepic_loads"
+BLEND_KEY = "mepic_blend"
+# On a compile: save its trailing blocks to the host store ([chunk id, num blocks, scores?]).
+STORE_KEY = "mepic_store"
 
 
 class LayoutError(ValueError):

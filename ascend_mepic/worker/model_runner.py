@@ -17,7 +17,9 @@ import numpy as np
 import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from ascend_mepic.worker import step
+from ascend_mepic.host_store import StoredChunk, attach_worker, host_store
+from ascend_mepic.segments import LOADS_KEY, STORE_KEY
+from ascend_mepic.worker import kv_transfer, step
 from ascend_mepic.worker.token_map import TokenMap
 
 
@@ -27,16 +29,62 @@ class MepicRunnerMixin:
     def _init_mepic(self, vllm_config) -> None:
         self.mepic_block_size = vllm_config.cache_config.block_size
         self._token_maps: dict[str, TokenMap | None] = {}
+        self._saves: list[tuple[str, list[int], bool, int]] = []
+        self._store = host_store()
+        attach_worker()
 
     def _update_states(self, scheduler_output):
+        loads: list[list] = []
         for req_id in scheduler_output.finished_req_ids:
             self._token_maps.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
-            params = new.sampling_params
-            self._token_maps[new.req_id] = TokenMap.from_extra_args(
-                params.extra_args if params else None, self.mepic_block_size
+            extra = new.sampling_params.extra_args if new.sampling_params else None
+            self._token_maps[new.req_id] = TokenMap.from_extra_args(extra, self.mepic_block_size)
+            if extra and extra.get(LOADS_KEY):
+                loads.extend(extra[LOADS_KEY])
+            if extra and STORE_KEY in extra:
+                chunk_id, num_blocks, scores, num_tokens = extra[STORE_KEY]
+                table = list(new.block_ids[0])
+                self._saves.append((chunk_id, table[-num_blocks:], bool(scores), num_tokens))
+        out = super()._update_states(scheduler_output)  # zeroes the step's new blocks
+        if loads:
+            self._load_chunks(loads)
+        return out
+
+    def _load_chunks(self, loads: list[list]) -> None:
+        """Fill request-private blocks from the host store (before the forward pass)."""
+        by_chunk: dict[str, list[tuple[int, int]]] = {}
+        for chunk_id, offset, block_id in loads:
+            by_chunk.setdefault(chunk_id, []).append((int(offset), int(block_id)))
+        for chunk_id, pairs in by_chunk.items():
+            stored = self._store.get(chunk_id)
+            if stored is None:
+                raise RuntimeError(f"chunk {chunk_id[:12]} is not in the host store")
+            kv_transfer.load_blocks(
+                self.kv_caches, stored.kv, [o for o, _ in pairs], [b for _, b in pairs]
             )
-        return super()._update_states(scheduler_output)
+            self._store.record_load(stored, len(pairs) / stored.kv.shape[1])
+
+    def _save_compiles(self) -> None:
+        """Keep this step's host-store compiles (right after the forward pass wrote them)."""
+        saves, self._saves = self._saves, []
+        for chunk_id, block_ids, want_scores, num_tokens in saves:
+            kv = kv_transfer.save_blocks(self.kv_caches, block_ids)
+            scores = None
+            if want_scores:
+                scores = kv_transfer.lowfreq_scores(
+                    kv,
+                    num_tokens,
+                    self.model_config.get_num_kv_heads(self.parallel_config),
+                    self.model_config.get_head_size(),
+                )
+            self._store.put(chunk_id, StoredChunk(kv, num_tokens, scores))
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        out = super().execute_model(scheduler_output, *args, **kwargs)
+        if self._saves:
+            self._save_compiles()
+        return out
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens_np):
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens_np)

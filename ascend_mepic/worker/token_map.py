@@ -18,6 +18,7 @@ import numpy as np
 from ascend_mepic.segments import (
     COMPILE_KEY,
     EXTRA_ARGS_KEY,
+    FRESH_SLOTS_KEY,
     IN_CONTEXT_KEY,
     SegmentKind,
     layout_from_lengths,
@@ -40,15 +41,15 @@ class TokenMap:
         if not extra:
             return None
         if COMPILE_KEY in extra:
-            layout = layout_from_lengths(
-                [[SegmentKind.CHUNK.value, int(extra[COMPILE_KEY])]],
-                block_size,
-                allow_trailing_chunk=True,
-            )
+            lengths = extra[COMPILE_KEY]
+            if isinstance(lengths, int):
+                lengths = [[SegmentKind.CHUNK.value, lengths]]
+            layout = layout_from_lengths(lengths, block_size, allow_trailing_chunk=True)
             slots = layout.real_slots()
         elif extra.get(IN_CONTEXT_KEY) and EXTRA_ARGS_KEY in extra:
             layout = layout_from_lengths(extra[EXTRA_ARGS_KEY], block_size)
-            slots = layout.in_context_slots()
+            fresh = extra.get(FRESH_SLOTS_KEY)
+            slots = list(fresh) if fresh is not None else layout.in_context_slots()
         else:
             return None
         positions = np.asarray(layout.slot_positions(), dtype=np.int64)

@@ -1,0 +1,178 @@
+"""The position-independent caching (PIC) policy family: what is recomputed, where KV lives.
+
+One framework runs MEPIC and the papers' baselines under the same scheduler, batching and kernels;
+a policy only decides, per chunk occurrence, which of its tokens are computed in the request's
+context ("fresh") and where the chunk's canonical (chunk-alone, un-rotated) KV lives:
+
+============== ========== ================================================================
+policy         placement  fresh chunk tokens
+============== ========== ================================================================
+full           none       all (segments ignored: a plain prompt, no prefix caching)
+prefix         none       all (a plain prompt through vLLM's prefix cache)
+naive          shared     none (every chunk block, the first included, is canonical)
+mepic          shared     the first block's real tokens (single-block chunks: all)
+mepic-K        shared     the first K real tokens; the first block is private, the rest of it
+                          copied from the chunk's canonical first block (kept off the pool)
+epic-K         private    the first K tokens of every chunk but the request's first (LegoLink-K)
+legolink-0     private    none; the chunk is compiled after 4 dummy (BOS) tokens, whose KV is
+                          discarded
+cacheblend-R   private    all at layers <= check layer; after it only the top R% of the
+                          request's chunk tokens by K deviation (the others skip compute)
+cachetune-R    private    the top R% of each chunk by low-frequency KV energy, scored once
+                          when the chunk is compiled (one set for all layers)
+============== ========== ================================================================
+
+*Shared* placement keeps canonical blocks in the device pool, referenced by every request. *Private*
+placement is what the baselines do in their own systems: the canonical KV lives off the device pool
+(``host_store``) and every request copies it into its own blocks. This module is scheduling path:
+no tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from dataclasses import dataclass
+
+
+class Placement(str, enum.Enum):
+    NONE = "none"  # segments are ignored
+    SHARED = "shared"
+    PRIVATE = "private"
+
+
+LEGOLINK_DUMMY_TOKENS = 4
+CACHEBLEND_CHECK_LAYER = 1
+
+_PATTERN = re.compile(
+    r"^(?P<kind>full|prefix|naive|mepic|legolink|epic|cacheblend|cachetune)(?:-(?P<arg>\d+))?$"
+)
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    kind: str
+    k: int = 0  # mepic-K / epic-K: tokens recomputed per chunk
+    ratio: float = 0.0  # cacheblend-R / cachetune-R: R / 100
+    check_layer: int = CACHEBLEND_CHECK_LAYER
+
+    @property
+    def placement(self) -> Placement:
+        if self.kind in ("full", "prefix"):
+            return Placement.NONE
+        if self.kind in ("naive", "mepic", "mepic-k"):
+            return Placement.SHARED
+        return Placement.PRIVATE
+
+    @property
+    def keeps_first_block(self) -> bool:
+        """The chunk's shared pool entry holds its first block too (naive reuses it as is)."""
+        return self.kind == "naive"
+
+    @property
+    def loads_kv(self) -> bool:
+        """Requests copy canonical KV into their own blocks, so chunks must be computed first."""
+        return self.placement is Placement.PRIVATE or self.kind == "mepic-k"
+
+    @property
+    def dummy_tokens(self) -> int:
+        return LEGOLINK_DUMMY_TOKENS if self.kind == "legolink" else 0
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.kind == "cachetune"
+
+    @property
+    def dynamic(self) -> bool:
+        """Token selection happens inside the forward pass (CacheBlend)."""
+        return self.kind == "cacheblend"
+
+    def fresh_tokens(
+        self,
+        chunk_index: int,
+        num_tokens: int,
+        block_size: int,
+        scores: list[float] | None = None,
+    ) -> list[int]:
+        """Chunk-relative offsets of the tokens computed in the request's context.
+
+        For CacheBlend these are the tokens computed up to the check layer (all of them).
+        """
+        n = num_tokens
+        first_block = n - block_size * (-(-n // block_size) - 1)
+        if self.kind in ("full", "prefix", "cacheblend"):
+            return list(range(n))
+        if self.kind in ("naive", "legolink"):
+            return []
+        if self.kind == "mepic":
+            return list(range(first_block))
+        if self.kind == "mepic-k":
+            return list(range(n if n <= block_size else min(self.k, first_block)))
+        if self.kind == "epic":
+            return [] if chunk_index == 0 else list(range(min(self.k, n)))
+        if self.kind == "cachetune":
+            if scores is None or len(scores) != n:
+                raise ValueError(f"cachetune needs {n} token scores, got {scores!r:.40}")
+            top = top_fraction(scores, self.ratio)
+            return sorted(top)
+        raise AssertionError(self.kind)
+
+    def chunk_is_cached(self, num_tokens: int, block_size: int) -> bool:
+        """Whether a chunk of this length gets a cache identity (mepic: only multi-block)."""
+        if self.kind in ("mepic", "mepic-k"):
+            return num_tokens > block_size
+        return self.placement is not Placement.NONE
+
+
+def top_fraction(scores: list[float], ratio: float) -> list[int]:
+    """Indices of the ceil(ratio * n) highest scores; ties go to the lower index."""
+    count = min(len(scores), math.ceil(ratio * len(scores) - 1e-9))
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    return order[:count]
+
+
+def parse_policy(name: str) -> Policy:
+    """``mepic``, ``mepic-16``, ``epic-16``, ``cacheblend-15``... (ValueError names the choices)."""
+    m = _PATTERN.match(name.strip().lower()) if isinstance(name, str) else None
+    if m is None:
+        raise ValueError(f"unknown policy {name!r}; choose from {POLICY_NAMES}")
+    kind, arg = m.group("kind"), m.group("arg")
+    needs_arg = {"epic", "cacheblend", "cachetune"}
+    if kind in needs_arg and arg is None:
+        raise ValueError(f"policy {name!r} needs a number, e.g. {kind}-16")
+    if kind in ("full", "prefix", "naive") and arg is not None:
+        raise ValueError(f"policy {kind!r} takes no number")
+    if kind == "legolink":
+        if arg != "0":
+            raise ValueError("only legolink-0 is a separate policy; LegoLink-K is epic-K")
+        return Policy("legolink-0", "legolink")
+    if kind == "mepic":
+        if arg is None:
+            return Policy("mepic", "mepic")
+        k = int(arg)
+        if k < 1:
+            raise ValueError("mepic-K needs K >= 1")
+        return Policy(f"mepic-{k}", "mepic-k", k=k)
+    if kind == "epic":
+        return Policy(f"epic-{int(arg)}", "epic", k=int(arg))
+    if kind in ("cacheblend", "cachetune"):
+        r = int(arg)
+        if not 0 < r <= 100:
+            raise ValueError(f"{kind}-R needs 0 < R <= 100, got {r}")
+        return Policy(f"{kind}-{r}", kind, ratio=r / 100)
+    return Policy(kind, kind)
+
+
+POLICY_NAMES = (
+    "full",
+    "prefix",
+    "naive",
+    "mepic",
+    "mepic-K",
+    "epic-K",
+    "legolink-0",
+    "cacheblend-R",
+    "cachetune-R",
+)

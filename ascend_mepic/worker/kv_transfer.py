@@ -1,0 +1,60 @@
+"""Whole-block KV copies between vLLM's paged cache and the host store, and CacheTune's scores.
+
+Every per-layer cache buffer is block-major (``[num_blocks, ...]``, see ``attention.cache_view``),
+so a block's K and V of one layer are one contiguous row: saving a chunk stacks its blocks' rows
+of every layer, loading writes them back into a request's private blocks. Loads run after vLLM
+zeroes the step's new blocks and before the forward pass; saves run right after the forward pass
+that compiled the chunk, before the scheduler frees the compile's blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def save_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
+    """Copy ``block_ids`` of every layer out of the pool: ``[num_layers, n, *block_shape]``."""
+    index = torch.as_tensor(list(block_ids), dtype=torch.long, device=caches[0].device)
+    return torch.stack([cache.index_select(0, index) for cache in caches]).cpu()
+
+
+def load_blocks(
+    caches: Sequence[torch.Tensor],
+    stored: torch.Tensor,
+    offsets: Sequence[int],
+    block_ids: Sequence[int],
+) -> None:
+    """Write stored blocks ``offsets`` into pool blocks ``block_ids`` of every layer."""
+    src = torch.as_tensor(list(offsets), dtype=torch.long)
+    dst = torch.as_tensor(list(block_ids), dtype=torch.long, device=caches[0].device)
+    for layer, cache in enumerate(caches):
+        cache.index_copy_(0, dst, stored[layer].index_select(0, src).to(cache.device))
+
+
+def lowfreq_scores(
+    stored: torch.Tensor,
+    num_tokens: int,
+    num_kv_heads: int,
+    head_size: int,
+    alpha: float = 0.5,
+) -> list[float]:
+    """CacheTune's token importance from a chunk's canonical KV (its section 4.1).
+
+    Per layer, K and V (``[tokens, heads * dim]``, K un-rotated) are low-passed along the
+    sequence (rFFT, keep the lowest ``alpha`` of the frequencies, inverse); a token's energy is
+    the mean of its K and V row norms, normalized by the layer's mean so no layer dominates, then
+    averaged over layers. The chunk's real tokens are the last ``num_tokens`` slots.
+    """
+    num_layers, num_blocks = stored.shape[:2]
+    kv = stored.reshape(num_layers, num_blocks, 2, -1, num_kv_heads * head_size).double()
+    kv = kv.transpose(1, 2).reshape(num_layers, 2, -1, num_kv_heads * head_size)
+    kv = kv[:, :, kv.shape[2] - num_tokens :]
+    spectrum = torch.fft.rfft(kv, dim=2)
+    cut = int(alpha * (num_tokens // 2 + 1))
+    spectrum[:, :, cut:] = 0
+    low = torch.fft.irfft(spectrum, n=num_tokens, dim=2)
+    energy = low.norm(dim=-1).mean(dim=1)  # [layers, tokens]: (|K~| + |V~|) / 2
+    energy = energy / energy.mean(dim=1, keepdim=True).clamp_min(1e-12)
+    return energy.mean(dim=0).tolist()
