@@ -6,11 +6,12 @@ This follows the convention vllm-ascend uses for its own options. With no ``mepi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
 from ascend_mepic.markers import DEFAULT_BEGIN, DEFAULT_END
-from ascend_mepic.policies import parse_policy
+from ascend_mepic.policies import Policy, parse_policy
 from ascend_mepic.segments import DEFAULT_PAD_TOKEN_ID
 
 
@@ -22,6 +23,8 @@ class MepicConfig:
     # papers' baselines are "naive", "epic-K", "legolink-0", "cacheblend-R", "cachetune-R", and
     # "mepic-K" recomputes only K tokens of the first block.
     policy: str = "mepic"
+    # CacheBlend's check layer: every chunk token is computed up to it, then only the selected.
+    blend_check_layer: int = 1
     pad_token_id: int = DEFAULT_PAD_TOKEN_ID
     chunk_begin: str = DEFAULT_BEGIN
     chunk_end: str = DEFAULT_END
@@ -44,4 +47,10 @@ class MepicConfig:
             raise ValueError(f"unknown MEPIC option(s) {unknown}; known: {sorted(known)}")
         config = cls(**raw)
         parse_policy(config.policy)  # ValueError names the choices
+        if config.blend_check_layer < 0:
+            raise ValueError("blend_check_layer must be >= 0")
         return config
+
+    @property
+    def parsed_policy(self) -> Policy:
+        return dataclasses.replace(parse_policy(self.policy), check_layer=self.blend_check_layer)

@@ -29,7 +29,7 @@ from ascend_mepic.config import MepicConfig
 from ascend_mepic.host_store import host_store
 from ascend_mepic.identity import model_fingerprint
 from ascend_mepic.kv_manager import MepicKVCacheManager
-from ascend_mepic.policies import Placement, parse_policy
+from ascend_mepic.policies import Placement
 from ascend_mepic.segments import COMPILE_KEY, STORE_KEY, UNPIN_KEY, LayoutError
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class MepicScheduler(Scheduler):
         )
         self._reserve_compile_room()
         self._compiles_to_finish: set[str] = set()
-        self.policy = parse_policy(self.mepic_config.policy)
+        self.policy = self.mepic_config.parsed_policy
         self.kv_cache_manager.policy = self.policy
         bos = getattr(model.hf_config, "bos_token_id", None)
         self.kv_cache_manager.dummy_token_id = int(bos) if bos is not None else 0

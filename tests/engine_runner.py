@@ -22,6 +22,7 @@ def main() -> None:
     kwargs = {}
     if job["mepic"]:
         options = {"policy": job["policy"]} if job.get("policy") else {}
+        options.update(job.get("options", {}))
         kwargs = mepic_llm_kwargs(**options)
     llm = LLM(
         model=job["model"],

@@ -18,12 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from ascend_mepic.ops import PagedRopeMetadata, rope_paged_attention, write_kv
 from ascend_mepic.ops.rope import RopeSpec
-from ascend_mepic.worker import step
+from ascend_mepic.worker import blend, step
 from ascend_mepic.worker.rope import registered_rope
 
 
@@ -101,15 +102,30 @@ class MepicAttentionImpl(AttentionImpl):
         self.num_kv_heads = num_kv_heads
         self.kv_sharing_target_layer_name = None
         self._rope: RopeSpec | None = None
+        self._layer_index: int | None = None
 
     def rope(self) -> RopeSpec:
         if self._rope is None:
             self._rope = registered_rope()
         return self._rope
 
+    def _layer(self, layer) -> int:
+        if self._layer_index is None:
+            self._layer_index = blend.layer_index(layer.layer_name)
+        return self._layer_index
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Store K and V un-rotated (vLLM calls this for every layer before its attention)."""
         view = cache_view(kv_cache, self.num_kv_heads, self.head_size)
+        state = blend.current()
+        if state is not None:  # CacheBlend: select at the check layer, subset after it
+            index = self._layer(layer)
+            if index == state.check_layer:
+                meta = get_forward_context().attn_metadata[layer.layer_name].paged
+                k = key[: state.num_rows].view(state.num_rows, self.num_kv_heads, self.head_size)
+                blend.select(state, k, view, slot_mapping, meta)
+            elif state.active(index):
+                slot_mapping = state.slot_mapping
         n = slot_mapping.shape[0]
         write_kv(
             key[:n].view(n, self.num_kv_heads, self.head_size),
@@ -134,10 +150,13 @@ class MepicAttentionImpl(AttentionImpl):
             raise NotImplementedError("fused output quantization is not supported by MEPIC")
         if attn_metadata is None:  # profiling run
             return output
-        n = attn_metadata.num_actual_tokens
+        n, paged = attn_metadata.num_actual_tokens, attn_metadata.paged
+        state = blend.current()
+        if state is not None and state.active(self._layer(layer)):
+            n, paged = len(state.keep), state.metadata
         q = query[:n].view(n, self.num_heads, self.head_size)
         view = cache_view(kv_cache, self.num_kv_heads, self.head_size)
-        out = rope_paged_attention(q, view, attn_metadata.paged, self.rope(), self.scale)
+        out = rope_paged_attention(q, view, paged, self.rope(), self.scale)
         output[:n] = out.reshape(output[:n].shape)
         return output
 

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from ascend_mepic.config import MepicConfig
 from ascend_mepic.host_store import StoredChunk, attach_worker, host_store
-from ascend_mepic.segments import LOADS_KEY, STORE_KEY
-from ascend_mepic.worker import kv_transfer, step
+from ascend_mepic.segments import BLEND_KEY, LOADS_KEY, STORE_KEY
+from ascend_mepic.worker import blend, kv_transfer, step
 from ascend_mepic.worker.token_map import TokenMap
 
 
@@ -30,6 +31,13 @@ class MepicRunnerMixin:
         self.mepic_block_size = vllm_config.cache_config.block_size
         self._token_maps: dict[str, TokenMap | None] = {}
         self._saves: list[tuple[str, list[int], bool, int]] = []
+        self._blend: dict[str, tuple[float, int]] = {}  # request -> (ratio, check layer)
+        self.mepic_blend_layer: int | None = None
+        policy = MepicConfig.from_additional_config(vllm_config.additional_config).parsed_policy
+        if policy.dynamic:
+            if not vllm_config.model_config.enforce_eager:
+                raise ValueError(f"policy {policy.name!r} needs enforce_eager=True")
+            self.mepic_blend_layer = policy.check_layer
         self._store = host_store()
         attach_worker()
 
@@ -37,9 +45,12 @@ class MepicRunnerMixin:
         loads: list[list] = []
         for req_id in scheduler_output.finished_req_ids:
             self._token_maps.pop(req_id, None)
+            self._blend.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             extra = new.sampling_params.extra_args if new.sampling_params else None
             self._token_maps[new.req_id] = TokenMap.from_extra_args(extra, self.mepic_block_size)
+            if extra and BLEND_KEY in extra:
+                self._blend[new.req_id] = tuple(extra[BLEND_KEY])
             if extra and extra.get(LOADS_KEY):
                 loads.extend(extra[LOADS_KEY])
             if extra and STORE_KEY in extra:
@@ -100,6 +111,7 @@ class MepicRunnerMixin:
         table = self.input_batch.block_table[0]
         blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         placed = False
+        blending: list[tuple[int, int, torch.Tensor, float]] = []
         for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
             a, b = int(loc[i]), int(loc[i + 1])
             tmap = self._token_maps.get(req_id)
@@ -115,12 +127,25 @@ class MepicRunnerMixin:
             pad_idx, pos = tmap.lookup(index[a:b])
             padded[a:b], positions[a:b] = pad_idx, pos
             blocks.append(tmap.blocks(int(pad_idx.max()) // bs + 1))
+            if req_id in self._blend:
+                rows = np.nonzero(tmap.is_chunk_token(index[a:b]))[0] + a
+                if len(rows):
+                    blending.append((a, b, torch.from_numpy(rows), self._blend[req_id][0]))
             block_ids = table.block_table.np[i, pad_idx // bs].astype(np.int64)
             slots = torch.from_numpy(block_ids * bs + pad_idx % bs)
             table.slot_mapping.gpu[a:b] = slots.to(table.slot_mapping.gpu.device)
         if placed:
             self.positions[:num_tokens] = torch.from_numpy(positions).to(self.positions.device)
         step.publish(step.build_tables(num_tokens, positions, padded, blocks, self.device))
+        blend.publish(
+            blend.BlendStep(self.mepic_blend_layer, num_tokens, blending) if blending else None
+        )
+
+    def load_model(self, *args, **kwargs):
+        out = super().load_model(*args, **kwargs)
+        if self.mepic_blend_layer is not None:
+            blend.install_layer_gates(self.model, self.mepic_blend_layer)
+        return out
 
 
 class MepicCPUModelRunner(MepicRunnerMixin, CPUModelRunner):

@@ -20,6 +20,7 @@ from ascend_mepic.segments import (
     EXTRA_ARGS_KEY,
     FRESH_SLOTS_KEY,
     IN_CONTEXT_KEY,
+    BlockKind,
     SegmentKind,
     layout_from_lengths,
 )
@@ -35,6 +36,7 @@ class TokenMap:
     first_pos: np.ndarray  # [layout blocks]
     valid_start: np.ndarray
     valid_end: np.ndarray
+    chunk_block: np.ndarray  # [layout blocks] True for a chunk's block
 
     @classmethod
     def from_extra_args(cls, extra: dict[str, Any] | None, block_size: int) -> TokenMap | None:
@@ -65,7 +67,14 @@ class TokenMap:
             first_pos=np.asarray([b.first_position for b in layout.blocks], dtype=np.int64),
             valid_start=np.asarray([b.valid_start for b in layout.blocks], dtype=np.int64),
             valid_end=valid_end,
+            chunk_block=np.asarray([b.kind is not BlockKind.PROMPT for b in layout.blocks]),
         )
+
+    def is_chunk_token(self, index: np.ndarray) -> np.ndarray:
+        """Whether the request's tokens number ``index`` are chunk tokens (not prompt/decode)."""
+        inside = index < self.num_in_context
+        padded = self.padded[np.minimum(index, self.num_in_context - 1)]
+        return inside & self.chunk_block[padded // self.block_size]
 
     @property
     def num_in_context(self) -> int:
