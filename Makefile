@@ -40,6 +40,8 @@ demo: setup
 		--tokenizer smollm2 > $(DEMO_DIR)/squad_trace.jsonl
 	$(VENV)/bin/ascend-mepic kvsim $(DEMO_DIR)/squad_trace.jsonl --placement all \
 		--block-size 32 --num-blocks 2048 --json $(DEMO_DIR)/kvsim.json
+	$(VENV)/bin/ascend-mepic bench compare --quick --no-progress --out $(DEMO_DIR)/bench_compare
+	$(VENV)/bin/ascend-mepic bench qps --quick --no-progress --out $(DEMO_DIR)/bench_qps
 
 bench: setup
 	$(PY) benchmarks/bench_kvsim.py

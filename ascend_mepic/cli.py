@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     ks.add_argument("--json", help="write the result JSON here (a list for --placement all)")
     ks.set_defaults(func=cmd_kvsim)
 
+    from ascend_mepic.bench.main import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
+
     # Listed for --help only: main() hands everything after "serve" to vLLM's own parser.
     sub.add_parser(
         "serve",

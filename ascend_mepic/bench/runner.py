@@ -1,0 +1,205 @@
+"""One engine, one policy, one workload, in this process: ``python -m ascend_mepic.bench.runner
+JOB_JSON`` prints ``RESULT{...}``.
+
+Requests arrive by a seeded Poisson process; this loop adds each request once its arrival time
+has passed (wall clock) and calls ``LLMEngine.step()`` itself, so requests really overlap. After
+every step it samples the KV blocks in use, and it records every request's arrival, first-token
+and finish times, its text, and its first token's top logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+STOCK_POLICIES = ("prefix", "full-stock")
+
+
+def build_requests(tokenizer: Any, job: dict) -> list[tuple[Any, list]]:
+    """(SquadQuestion, segments) per request: the chat-template SQuAD workload."""
+    from ascend_mepic.trace import squad_requests
+
+    pairs = list(
+        squad_requests(job["requests"], job["chunks"], job["seed"], job.get("articles") or None)
+    )
+    try:
+        from ascend_mepic.squad_prompts import chat_segments
+
+        return [(q, chat_segments(tokenizer, q.question, paras)) for q, paras in pairs]
+    except ImportError:  # older tree: plain marker segments
+        from ascend_mepic.markers import TextSegment, tokenize_segments
+        from ascend_mepic.segments import SegmentKind
+
+        out = []
+        for q, paras in pairs:
+            pieces = [TextSegment(SegmentKind.PROMPT, "Answer from the documents.\n")]
+            pieces += [TextSegment(SegmentKind.CHUNK, p + "\n\n") for p in paras]
+            pieces.append(TextSegment(SegmentKind.PROMPT, f"Question: {q.question}\nAnswer:"))
+            out.append((q, tokenize_segments(tokenizer, pieces)))
+        return out
+
+
+def _block_bytes(llm: Any, block_size: int) -> int:
+    try:
+        mc = llm.llm_engine.model_config
+        pc = llm.llm_engine.vllm_config.parallel_config
+        layers = mc.get_num_layers(pc)
+        heads = mc.get_num_kv_heads(pc)
+        head = mc.get_head_size()
+        return 2 * layers * heads * head * block_size * 4  # K and V, float32
+    except Exception:  # noqa: BLE001 - bytes are informative only
+        return 0
+
+
+def run(job: dict) -> dict:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from ascend_mepic.bench.stats import poisson_arrivals
+    from ascend_mepic.offline import mepic_llm_kwargs, segment_request
+    from ascend_mepic.segments import Segment, SegmentKind
+
+    policy = job["policy"]
+    tok = AutoTokenizer.from_pretrained(job["model"])
+    requests = build_requests(tok, job)
+    stock = policy == "prefix"
+    kwargs = {"enable_prefix_caching": True} if stock else mepic_llm_kwargs(policy=policy)
+    llm = LLM(
+        model=job["model"],
+        dtype="float32",
+        enforce_eager=True,
+        block_size=job["block_size"],
+        max_model_len=4096,
+        seed=0,
+        **kwargs,
+    )
+    engine = llm.llm_engine
+    manager = engine.engine_core.engine_core.scheduler.kv_cache_manager
+    pool_blocks = manager.block_pool.num_gpu_blocks - 1  # block 0 is the null block
+    has_used = hasattr(manager, "num_used_blocks")
+
+    def used_blocks() -> int:
+        if has_used:
+            return manager.num_used_blocks()
+        return pool_blocks - manager.block_pool.get_num_free_blocks()
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=job["max_tokens"], logprobs=job.get("logprobs", 20)
+    )
+
+    def prompt_of(segs: list) -> tuple[dict, Any]:
+        if stock:
+            return {"prompt_token_ids": [t for s in segs for t in s.token_ids]}, params
+        return segment_request(segs, params)
+
+    # Warm-up on an unrelated prompt-only request (shares no chunk with the workload).
+    warm = [Segment(SegmentKind.PROMPT, tuple(tok.encode("Hello, how are you today?")))]
+    p, sp = prompt_of(warm)
+    warm_params = sp.clone()
+    warm_params.max_tokens = 2
+    llm.generate([p], [warm_params], use_tqdm=False)
+
+    arrivals = poisson_arrivals(len(requests), job["qps"], job["seed"])
+    recs: list[dict] = [
+        {
+            "index": i,
+            "arrival_s": a,
+            "first_token_s": None,
+            "finish_s": None,
+            "prompt_tokens": sum(len(s.token_ids) for s in segs),
+            "answers": list(q.answers),
+        }
+        for i, ((q, segs), a) in enumerate(zip(requests, arrivals, strict=True))
+    ]
+    timeline: list[tuple[float, int]] = []
+    bar = None
+    if job.get("progress", True):
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(recs), desc=f"{policy} qps={job['qps']}", file=sys.stderr)
+    nxt, done = 0, 0
+    t0 = time.perf_counter()
+    while done < len(recs):
+        now = time.perf_counter() - t0
+        while nxt < len(recs) and recs[nxt]["arrival_s"] <= now:
+            p, sp = prompt_of(requests[nxt][1])
+            engine.add_request(str(nxt), p, sp)
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            if nxt < len(recs):
+                time.sleep(max(0.0, recs[nxt]["arrival_s"] - (time.perf_counter() - t0)))
+            continue
+        outs = engine.step()
+        t = time.perf_counter() - t0
+        timeline.append((round(t, 4), used_blocks()))
+        for o in outs:
+            r = recs[int(o.request_id)]
+            c = o.outputs[0]
+            if r["first_token_s"] is None and len(c.token_ids) > 0:
+                r["first_token_s"] = t
+            if o.finished:
+                r["finish_s"] = t
+                r["text"] = c.text
+                r["output_tokens"] = len(c.token_ids)
+                r["first_token"] = c.token_ids[0] if c.token_ids else None
+                lp = c.logprobs[0] if c.logprobs else {}
+                r["top_logprobs"] = {str(k): v.logprob for k, v in lp.items()}
+                r["num_cached_tokens"] = o.num_cached_tokens
+                done += 1
+                if bar is not None:
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
+    metrics = manager.metrics() if hasattr(manager, "metrics") else {}
+    return {
+        "policy": policy,
+        "workload": f"squad-chat-{job['chunks']}p",
+        "qps": job["qps"],
+        "block_size": job["block_size"],
+        "num_chunks": job["chunks"],
+        "pool_blocks": pool_blocks,
+        "block_bytes": _block_bytes(llm, job["block_size"]),
+        "kv_timeline": timeline,
+        "per_request": recs,
+        "manager_metrics": metrics,
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def run_in_subprocess(job: dict, timeout: float = 3600) -> dict:
+    """Run ``job`` in a fresh Python process (vLLM's global state stays per policy)."""
+    import subprocess
+
+    env = dict(
+        os.environ,
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE=str(job.get("kv_gib", 1)),
+        HF_HUB_OFFLINE="1",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ascend_mepic.bench.runner", json.dumps(job)],
+        stdout=subprocess.PIPE,
+        stderr=None if job.get("progress", True) else subprocess.PIPE,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        tail = (proc.stderr or "")[-3000:]
+        raise RuntimeError(
+            f"bench runner for {job['policy']} failed (rc {proc.returncode})\n{tail}"
+        )
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :])
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    print("RESULT" + json.dumps(run(job)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""Pure parts of the benchmarks: arrivals, fidelity math, per-policy summaries, workload
+statistics and the Markdown report. Nothing here starts an engine."""
+
+from __future__ import annotations
+
+import math
+import platform
+import random
+import statistics
+import subprocess
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# Keys every per-policy JSON has (more are allowed).
+REQUIRED_KEYS = (
+    "policy",
+    "workload",
+    "requests",
+    "qps",
+    "block_size",
+    "latency_mean_s",
+    "latency_p99_s",
+    "ttft_mean_s",
+    "throughput_tok_s",
+    "peak_kv_usage",
+    "mean_kv_usage",
+    "peak_kv_blocks",
+    "f1",
+    "em",
+    "top1_agreement",
+    "kl_first_token",
+    "recomputed_tokens_per_request",
+    "reuse_fraction",
+)
+
+# MEPIC paper numbers (SQuAD), printed beside ours as ratios.
+PAPER_PEAK_KV_PCT = {"mepic": 27.67, "cacheblend-15": 54.47, "epic-16": 54.13}
+PAPER_QPS_RATIO = {"cacheblend-15": 5.74, "epic-16": 5.25}
+PAPER_CHUNK_RATIO = (2.97, 5.21)
+
+KL_TAIL_EPS = 1e-9
+
+
+def poisson_arrivals(n: int, qps: float, seed: int = 0) -> list[float]:
+    """Arrival offsets (seconds) of ``n`` requests from a Poisson process of rate ``qps``."""
+    if qps <= 0:
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(qps)
+        out.append(t)
+    return out
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, ``q`` in [0, 100]."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def kl_first_token(full: Mapping[int, float], policy: Mapping[int, float]) -> float:
+    """KL(full || policy) of the first-token distribution from two top-k logprob dicts.
+
+    Approximation: the support is full's top-k tokens plus one tail bucket holding the rest of
+    the mass. A full top-k token missing from the policy's top-k gets probability min(smallest
+    policy top-k probability, remaining policy mass / missing count), an upper bound on its true
+    probability, so the KL is if anything underestimated for such tokens.
+    """
+    p = {int(t): math.exp(lp) for t, lp in full.items()}
+    q_all = {int(t): math.exp(lp) for t, lp in policy.items()}
+    q = {t: q_all[t] for t in p if t in q_all}
+    missing = [t for t in p if t not in q_all]
+    rest = max(0.0, 1.0 - sum(q_all.values()))
+    if missing:
+        floor = min(q_all.values()) if q_all else 1.0
+        share = min(floor, rest / len(missing))
+        for t in missing:
+            q[t] = share
+    p_tail = max(0.0, 1.0 - sum(p.values()))
+    q_tail = max(KL_TAIL_EPS, 1.0 - sum(q.values()))
+    kl = sum(pv * math.log(pv / max(q[t], KL_TAIL_EPS)) for t, pv in p.items() if pv > 0)
+    if p_tail > KL_TAIL_EPS:
+        kl += p_tail * math.log(p_tail / q_tail)
+    return max(0.0, kl)
+
+
+def fidelity(
+    full_reqs: Sequence[Mapping[str, Any]], reqs: Sequence[Mapping[str, Any]]
+) -> tuple[float | None, float | None]:
+    """(top1 agreement, mean first-token KL) of a policy's requests vs full's, matched by index."""
+    by_idx = {r["index"]: r for r in full_reqs}
+    agree, kls = [], []
+    for r in reqs:
+        f = by_idx.get(r["index"])
+        if f is None or f.get("first_token") is None or r.get("first_token") is None:
+            continue
+        agree.append(float(f["first_token"] == r["first_token"]))
+        kls.append(kl_first_token(_int_keys(f["top_logprobs"]), _int_keys(r["top_logprobs"])))
+    if not agree:
+        return None, None
+    return statistics.mean(agree), statistics.mean(kls)
+
+
+def _int_keys(d: Mapping[Any, float]) -> dict[int, float]:
+    return {int(k): float(v) for k, v in d.items()}
+
+
+def summarize(raw: Mapping[str, Any], full_raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The per-policy JSON from a runner's raw result (and full's, for fidelity)."""
+    from ascend_mepic.squad_metrics import exact_match, f1
+
+    reqs = raw["per_request"]
+    lat = [r["finish_s"] - r["arrival_s"] for r in reqs]
+    ttft = [r["first_token_s"] - r["arrival_s"] for r in reqs if r["first_token_s"] is not None]
+    out_tokens = sum(r["output_tokens"] for r in reqs)
+    span = max(r["finish_s"] for r in reqs) - min(r["arrival_s"] for r in reqs)
+    pool = raw["pool_blocks"]
+    used = [u for _, u in raw["kv_timeline"]] or [0]
+    peak = max(used)
+    prompt_tokens = sum(r["prompt_tokens"] for r in reqs)
+    m = raw.get("manager_metrics") or {}
+    if m.get("tokens_computed", 0) + m.get("tokens_reused", 0) > 0:
+        computed, reused = m["tokens_computed"], m["tokens_reused"]
+        recompute_source = "manager metrics (tokens_computed incl. chunk compiles)"
+    else:
+        cached = sum(r.get("num_cached_tokens") or 0 for r in reqs)
+        computed, reused = prompt_tokens - cached, cached
+        recompute_source = "prompt tokens minus vLLM num_cached_tokens (prefix-cache hits)"
+    agree, kl = (None, None)
+    if full_raw is not None:
+        agree, kl = fidelity(full_raw["per_request"], reqs)
+    return {
+        "policy": raw["policy"],
+        "workload": raw["workload"],
+        "requests": len(reqs),
+        "qps": raw["qps"],
+        "block_size": raw["block_size"],
+        "num_chunks": raw.get("num_chunks"),
+        "latency_mean_s": statistics.mean(lat),
+        "latency_p50_s": percentile(lat, 50),
+        "latency_p99_s": percentile(lat, 99),
+        "ttft_mean_s": statistics.mean(ttft) if ttft else None,
+        "throughput_tok_s": out_tokens / span if span > 0 else None,
+        "peak_kv_usage": peak / pool if pool else None,
+        "mean_kv_usage": statistics.mean(used) / pool if pool else None,
+        "peak_kv_blocks": peak,
+        "pool_blocks": pool,
+        "peak_kv_bytes": peak * raw.get("block_bytes", 0),
+        "f1": statistics.mean(f1(r["text"], r["answers"]) for r in reqs),
+        "em": statistics.mean(exact_match(r["text"], r["answers"]) for r in reqs),
+        "top1_agreement": agree,
+        "kl_first_token": kl,
+        "recomputed_tokens_per_request": computed / len(reqs),
+        "reuse_fraction": reused / (reused + computed) if reused + computed else 0.0,
+        "recompute_source": recompute_source,
+        "prompt_tokens_mean": prompt_tokens / len(reqs),
+        "wall_s": raw.get("wall_s"),
+        "kv_timeline": raw["kv_timeline"],
+        "manager_metrics": m,
+    }
+
+
+def workload_stats(
+    requests: Sequence[Sequence[Any]], block_size: int, policies: Sequence[str]
+) -> dict[str, Any]:
+    """Table 1 statistics of segmented requests, from the workload alone.
+
+    ``reused_fraction``: prompt tokens in chunks already seen by an earlier request. Per policy,
+    ``recomputed_steady``: tokens computed per request once every chunk is cached (prompt
+    segments plus ``fresh_tokens`` of each chunk), and ``recomputed_first_seen``: the same with a
+    chunk's first occurrence computed in full (its compile).
+    """
+    from ascend_mepic.policies import parse_policy
+    from ascend_mepic.segments import SegmentKind, build_layout
+
+    n = len(requests)
+    seen: set[tuple[int, ...]] = set()
+    total = reused = 0
+    steady = {p: 0 for p in policies}
+    first_seen = {p: 0 for p in policies}
+    for segs in requests:
+        layout = build_layout(segs, block_size)
+        total += layout.num_real_tokens
+        ci = 0
+        for seg in segs:
+            k = len(seg.token_ids)
+            if seg.kind is not SegmentKind.CHUNK:
+                for p in policies:
+                    steady[p] += k
+                    first_seen[p] += k
+                continue
+            was_seen = seg.token_ids in seen
+            reused += k if was_seen else 0
+            for p in policies:
+                pol = parse_policy(p)
+                fresh = len(pol.fresh_tokens(ci, k, block_size)) if pol.kind != "cachetune" else k
+                steady[p] += fresh
+                first_seen[p] += fresh if was_seen else k
+            seen.add(seg.token_ids)
+            ci += 1
+    return {
+        "requests": n,
+        "block_size": block_size,
+        "prompt_tokens_mean": total / n if n else 0.0,
+        "reused_fraction": reused / total if total else 0.0,
+        "recomputed_steady": {p: v / n for p, v in steady.items()},
+        "recomputed_first_seen": {p: v / n for p, v in first_seen.items()},
+    }
+
+
+def hardware() -> str:
+    lines = [f"{platform.platform()}, Python {platform.python_version()}"]
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.split(":")[0].strip() in ("Model name", "CPU(s)", "Architecture"):
+                lines.append(" ".join(line.split()))
+    except (OSError, subprocess.SubprocessError):
+        lines.append(f"processor: {platform.processor() or 'unknown'}")
+    return "; ".join(lines)
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float) and math.isnan(v):
+        return "n/a"
+    return format(v, spec) if isinstance(v, (int, float)) else str(v)
+
+
+COMPARE_COLUMNS = (
+    ("policy", "policy", "s"),
+    ("latency mean (s)", "latency_mean_s", ".2f"),
+    ("p50 (s)", "latency_p50_s", ".2f"),
+    ("p99 (s)", "latency_p99_s", ".2f"),
+    ("TTFT (s)", "ttft_mean_s", ".2f"),
+    ("tok/s", "throughput_tok_s", ".1f"),
+    ("peak KV %", "peak_kv_usage", ".2%"),
+    ("mean KV %", "mean_kv_usage", ".2%"),
+    ("peak blocks", "peak_kv_blocks", "d"),
+    ("F1", "f1", ".3f"),
+    ("EM", "em", ".3f"),
+    ("top-1 agree", "top1_agreement", ".3f"),
+    ("KL 1st tok", "kl_first_token", ".4f"),
+    ("recomputed tok/req", "recomputed_tokens_per_request", ".1f"),
+    ("reuse frac", "reuse_fraction", ".3f"),
+)
+
+
+def table(rows: Sequence[Mapping[str, Any]], columns=COMPARE_COLUMNS) -> str:
+    head = "| " + " | ".join(c[0] for c in columns) + " |"
+    sep = "|" + "---|" * len(columns)
+    body = [
+        "| " + " | ".join(_fmt(r.get(key), spec) for _, key, spec in columns) + " |" for r in rows
+    ]
+    return "\n".join([head, sep, *body])
+
+
+def paper_ratio_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Peak-KV ratios vs MEPIC beside the paper's Table 2 ratios."""
+    by = {r["policy"]: r for r in rows}
+    m = by.get("mepic")
+    out = []
+    if not m or not m.get("peak_kv_blocks"):
+        return ["(no mepic row: no peak-KV ratios)"]
+    for other, pct in PAPER_PEAK_KV_PCT.items():
+        if other == "mepic" or other not in by:
+            continue
+        ours = by[other]["peak_kv_blocks"] / m["peak_kv_blocks"]
+        paper = pct / PAPER_PEAK_KV_PCT["mepic"]
+        out.append(
+            f"- peak KV {other} / mepic: ours {ours:.2f}x, paper Table 2 {paper:.2f}x "
+            f"({pct}% vs {PAPER_PEAK_KV_PCT['mepic']}%)"
+        )
+    return out
+
+
+def render_compare_report(
+    rows: Sequence[Mapping[str, Any]], title: str, notes: Sequence[str] = (), hw: str | None = None
+) -> str:
+    parts = [f"# {title}", "", f"Hardware: {hw if hw is not None else hardware()}", ""]
+    if rows:
+        r0 = rows[0]
+        parts.append(
+            f"Workload {r0.get('workload')}: {r0.get('requests')} requests, QPS {r0.get('qps')}, "
+            f"block size {r0.get('block_size')}."
+        )
+        parts.append("")
+    parts += [table(rows), "", "Paper comparison (ratios, MEPIC paper Table 2, SQuAD):", ""]
+    parts += paper_ratio_lines(rows)
+    parts += ["", *notes]
+    return "\n".join(parts) + "\n"
+
+
+SWEEP_COLUMNS = (
+    ("x", "x", "g"),
+    ("policy", "policy", "s"),
+    ("latency mean (s)", "latency_mean_s", ".2f"),
+    ("p99 (s)", "latency_p99_s", ".2f"),
+    ("TTFT (s)", "ttft_mean_s", ".2f"),
+    ("peak KV %", "peak_kv_usage", ".2%"),
+    ("peak blocks", "peak_kv_blocks", "d"),
+    ("F1", "f1", ".3f"),
+)
+
+
+def sweep_ratios(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
+    """Per baseline, peak-KV blocks / mepic's at each sweep point where both ran."""
+    by = {(r["x"], r["policy"]): r for r in rows}
+    out: dict[str, list[float]] = {}
+    for (x, p), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        m = by.get((x, "mepic"))
+        if p == "mepic" or m is None or not m.get("peak_kv_blocks"):
+            continue
+        out.setdefault(p, []).append(r["peak_kv_blocks"] / m["peak_kv_blocks"])
+    return out
+
+
+def render_sweep_report(
+    rows: Sequence[Mapping[str, Any]],
+    title: str,
+    xname: str,
+    paper: str,
+    notes: Sequence[str] = (),
+    hw: str | None = None,
+) -> str:
+    cols = ((xname, "x", "g"), *SWEEP_COLUMNS[1:])
+    parts = [f"# {title}", "", f"Hardware: {hw if hw is not None else hardware()}", ""]
+    parts += [table(rows, cols), "", "Peak KV vs mepic (ours, per sweep point):", ""]
+    for p, rs in sweep_ratios(rows).items():
+        parts.append(f"- {p} / mepic: " + ", ".join(f"{x:.2f}x" for x in rs))
+    parts += ["", f"Paper: {paper}", "", *notes]
+    return "\n".join(parts) + "\n"

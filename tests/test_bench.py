@@ -1,0 +1,126 @@
+"""Pure parts of ``ascend_mepic.bench`` (no engine)."""
+
+import math
+
+import pytest
+
+from ascend_mepic.bench import stats
+from ascend_mepic.segments import Segment, SegmentKind
+
+
+def _segs(*chunks: tuple[int, ...]) -> list[Segment]:
+    out = [Segment(SegmentKind.PROMPT, (1, 2, 3))]
+    out += [Segment(SegmentKind.CHUNK, c) for c in chunks]
+    out.append(Segment(SegmentKind.PROMPT, (4, 5)))
+    return out
+
+
+def test_workload_stats_counts_reuse_and_fresh_tokens():
+    a, b = tuple(range(100, 110)), tuple(range(200, 206))  # 10 and 6 tokens
+    reqs = [_segs(a, b), _segs(b, a)]
+    st = stats.workload_stats(reqs, block_size=4, policies=["full", "mepic", "epic-2"])
+    assert st["prompt_tokens_mean"] == 21
+    assert st["reused_fraction"] == pytest.approx(16 / 42)
+    assert st["recomputed_steady"]["full"] == 21
+    # mepic recomputes each chunk's first (partial) block: 10 -> 2, 6 -> 2
+    assert st["recomputed_steady"]["mepic"] == 5 + 2 + 2
+    assert st["recomputed_first_seen"]["mepic"] == pytest.approx((5 + 16 + 5 + 4) / 2)
+    # epic-2: first chunk nothing, later chunks 2 tokens
+    assert st["recomputed_steady"]["epic-2"] == 5 + 0 + 2
+
+
+def test_kl_identical_is_zero_and_shift_positive():
+    d = {1: math.log(0.6), 2: math.log(0.3), 3: math.log(0.05)}
+    assert stats.kl_first_token(d, d) == pytest.approx(0.0, abs=1e-12)
+    other = {1: math.log(0.3), 2: math.log(0.6), 3: math.log(0.05)}
+    expect = 0.6 * math.log(2) + 0.3 * math.log(0.5)
+    assert stats.kl_first_token(d, other) == pytest.approx(expect)
+
+
+def test_kl_missing_token_uses_bounded_share():
+    full = {1: math.log(0.5), 2: math.log(0.5)}
+    pol = {1: math.log(0.9), 3: math.log(0.05)}
+    # token 2 missing: min(0.05, remaining 0.05 / 1) = 0.05
+    expect = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.05)
+    assert stats.kl_first_token(full, pol) == pytest.approx(expect)
+
+
+def test_fidelity_matches_by_index():
+    lp = {"7": math.log(0.9)}
+    full = [
+        {"index": 0, "first_token": 7, "top_logprobs": lp},
+        {"index": 1, "first_token": 8, "top_logprobs": {"8": 0.0}},
+    ]
+    pol = [
+        {"index": 1, "first_token": 9, "top_logprobs": {"9": 0.0}},
+        {"index": 0, "first_token": 7, "top_logprobs": lp},
+    ]
+    agree, kl = stats.fidelity(full, pol)
+    assert agree == 0.5
+    assert kl > 0
+
+
+def _raw(policy: str, first: int) -> dict:
+    reqs = [
+        {
+            "index": i,
+            "arrival_s": 0.5 * i,
+            "first_token_s": 0.5 * i + 0.2,
+            "finish_s": 0.5 * i + 1,
+            "prompt_tokens": 100,
+            "answers": ["Paris"],
+            "text": "Paris" if i else "London",
+            "output_tokens": 4,
+            "first_token": first,
+            "top_logprobs": {str(first): -0.1},
+            "num_cached_tokens": 16,
+        }
+        for i in range(3)
+    ]
+    return {
+        "policy": policy,
+        "workload": "squad-chat-4p",
+        "qps": 2.0,
+        "block_size": 32,
+        "pool_blocks": 100,
+        "block_bytes": 10,
+        "kv_timeline": [[0.1, 5], [0.2, 20], [0.3, 10]],
+        "per_request": reqs,
+        "manager_metrics": {"tokens_computed": 60, "tokens_reused": 240}
+        if policy == "mepic"
+        else {},
+    }
+
+
+def test_summarize_keys_and_values():
+    full = stats.summarize(_raw("full", 5), _raw("full", 5))
+    mep = stats.summarize(_raw("mepic", 6), _raw("full", 5))
+    for row in (full, mep):
+        assert set(stats.REQUIRED_KEYS) <= set(row)
+    assert mep["peak_kv_usage"] == pytest.approx(0.2)
+    assert mep["peak_kv_blocks"] == 20 and mep["peak_kv_bytes"] == 200
+    assert mep["mean_kv_usage"] == pytest.approx(35 / 3 / 100)
+    assert mep["f1"] == pytest.approx(2 / 3) and mep["em"] == pytest.approx(2 / 3)
+    assert mep["latency_mean_s"] == pytest.approx(1.0)
+    assert mep["recomputed_tokens_per_request"] == 20 and mep["reuse_fraction"] == 0.8
+    assert full["recomputed_tokens_per_request"] == 84 and full["top1_agreement"] == 1.0
+    assert mep["top1_agreement"] == 0.0
+
+
+def test_reports_render():
+    rows = [stats.summarize(_raw(p, 5)) for p in ("mepic", "epic-16", "cacheblend-15")]
+    rows[1]["peak_kv_blocks"] = 40
+    md = stats.render_compare_report(rows, "T", ["note"], hw="test-hw")
+    assert "| mepic |" in md and "epic-16 / mepic: ours 2.00x, paper Table 2 1.96x" in md
+    assert "Hardware: test-hw" in md and "n/a" in md
+    sweep = [{**r, "x": x} for x in (1, 2) for r in rows]
+    md2 = stats.render_sweep_report(sweep, "S", "QPS", "paper", hw="hw")
+    assert "epic-16 / mepic: 2.00x, 2.00x" in md2
+
+
+def test_poisson_arrivals_seeded_and_increasing():
+    a = stats.poisson_arrivals(50, 4.0, seed=1)
+    assert a == stats.poisson_arrivals(50, 4.0, seed=1)
+    assert all(x < y for x, y in zip(a, a[1:], strict=False))
+    assert 5 < a[-1] < 30
+    assert stats.percentile([1, 2, 3, 4], 50) == 2.5
