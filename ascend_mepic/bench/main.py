@@ -137,11 +137,18 @@ def _notes(args: argparse.Namespace) -> list[str]:
         "",
         KV_NOTE,
         "",
+        "Latency and TTFT run from each request's scheduled Poisson arrival time (so time a "
+        "request waits for the driver's current engine step counts); throughput is output "
+        "tokens / (last finish - first arrival). The engine step loop is driven in-process "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0), one subprocess per policy and sweep point.",
+        "",
         KL_NOTE,
         "",
         "Recomputed tokens: MEPIC-manager policies use the manager's tokens_computed (including "
         "chunk compiles) and tokens_reused; prefix/full use prompt tokens minus vLLM's "
-        "num_cached_tokens.",
+        "num_cached_tokens. Counting follows each policy's manager: CacheBlend counts every "
+        "chunk token as computed (all run up to its check layer); EPIC counts loaded chunk KV "
+        "as reused.",
     ]
 
 
