@@ -33,6 +33,9 @@ class MepicConfig:
     # Where the engine publishes MEPIC's metrics as JSON for the API server's /metrics and
     # /v1/mepic/stats (the engine core runs in another process); "" disables it.
     stats_file: str = ""
+    # Where private-placement policies keep canonical chunk KV (host memory, shared by the
+    # scheduler and worker processes); "" = a per-engine directory under /dev/shm.
+    host_store_dir: str = ""
 
     @classmethod
     def from_additional_config(cls, additional: dict[str, Any] | None) -> MepicConfig:
@@ -50,6 +53,11 @@ class MepicConfig:
         if config.blend_check_layer < 0:
             raise ValueError("blend_check_layer must be >= 0")
         return config
+
+    def store_root(self, vllm_config: Any) -> str:
+        from ascend_mepic.host_store import default_root
+
+        return self.host_store_dir or str(default_root(vllm_config.instance_id))
 
     @property
     def parsed_policy(self) -> Policy:

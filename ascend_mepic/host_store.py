@@ -6,16 +6,24 @@ compiled blocks here right after the forward pass that computed them, and copies
 request's blocks when the request is first scheduled; the scheduler only asks whether a chunk is
 stored (and, for CacheTune, its token scores).
 
-The scheduler and the worker share the store in one process, which vLLM's single-worker ("uni")
-executor gives; ``attach_worker`` records that a worker lives here, and private-placement policies
-refuse to start without one. The values are opaque to the scheduling path (tensors, on the worker
-side). The LMCache tier is meant to implement the same four calls.
+vLLM's CPU engine runs its worker in another process than the scheduler, so a stored chunk is also
+a file in a host-memory directory (``/dev/shm`` where it exists): ``<chunk id>.json`` (token count
+and scores) then ``<chunk id>.pt`` (the KV), each written to a temporary name and renamed, so the
+``.pt`` file appearing is the commit. Each process keeps what it read in memory. The directory is
+per engine instance and removed when the engine process exits. The LMCache tier is meant to
+implement the same calls.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
+import shutil
+import tempfile
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ascend_mepic.identity import ChunkId
@@ -38,51 +46,85 @@ class StoreStats:
 
 @dataclass
 class HostChunkStore:
+    root: Path
     chunks: dict[ChunkId, StoredChunk] = field(default_factory=dict)
     stats: StoreStats = field(default_factory=StoreStats)
-    worker_attached: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def _path(self, chunk_id: ChunkId, suffix: str) -> Path:
+        return self.root / f"{chunk_id}{suffix}"
+
     def put(self, chunk_id: ChunkId, chunk: StoredChunk) -> None:
+        import torch
+
         with self._lock:
             self.chunks[chunk_id] = chunk
             self.stats.stored += 1
             self.stats.bytes_stored += _nbytes(chunk.kv)
-
-    def get(self, chunk_id: ChunkId) -> StoredChunk | None:
-        return self.chunks.get(chunk_id)
+        meta = {"num_tokens": chunk.num_tokens, "scores": chunk.scores}
+        _atomic_write(self._path(chunk_id, ".json"), lambda f: f.write(json.dumps(meta).encode()))
+        _atomic_write(self._path(chunk_id, ".pt"), lambda f: torch.save(chunk.kv, f))
 
     def contains(self, chunk_id: ChunkId) -> bool:
-        return chunk_id in self.chunks
+        return chunk_id in self.chunks or self._path(chunk_id, ".pt").exists()
+
+    def get(self, chunk_id: ChunkId) -> StoredChunk | None:
+        chunk = self.chunks.get(chunk_id)
+        if chunk is not None or not self.contains(chunk_id):
+            return chunk
+        import torch
+
+        meta = json.loads(self._path(chunk_id, ".json").read_text())
+        kv = torch.load(self._path(chunk_id, ".pt"), map_location="cpu", weights_only=True)
+        chunk = StoredChunk(kv, meta["num_tokens"], meta["scores"])
+        self.chunks[chunk_id] = chunk
+        return chunk
 
     def scores(self, chunk_id: ChunkId) -> list[float] | None:
         chunk = self.chunks.get(chunk_id)
-        return chunk.scores if chunk else None
+        if chunk is not None:
+            return chunk.scores
+        path = self._path(chunk_id, ".json")
+        return json.loads(path.read_text())["scores"] if path.exists() else None
 
     def record_load(self, chunk: StoredChunk, fraction: float = 1.0) -> None:
         self.stats.loads += 1
         self.stats.bytes_loaded += int(_nbytes(chunk.kv) * fraction)
 
-    def clear(self) -> None:
-        with self._lock:
-            self.chunks.clear()
+    def num_chunks(self) -> int:
+        return len(list(self.root.glob("*.pt")))
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(_nbytes(c.kv) for c in self.chunks.values())
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _nbytes(kv: Any) -> int:
     return int(kv.numel() * kv.element_size()) if hasattr(kv, "numel") else 0
 
 
-_STORE = HostChunkStore()
+def default_root(instance_id: str) -> Path:
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"ascend_mepic-store-{os.getuid()}-{instance_id}"
 
 
-def host_store() -> HostChunkStore:
-    """The process's store (shared by the scheduler and an in-process worker)."""
-    return _STORE
+_STORES: dict[Path, HostChunkStore] = {}
 
 
-def attach_worker() -> None:
-    _STORE.worker_attached = True
+def host_store(root: str | Path, owner: bool = False) -> HostChunkStore:
+    """The store at ``root`` (one object per process); ``owner`` removes it at process exit."""
+    path = Path(root)
+    store = _STORES.get(path)
+    if store is None:
+        path.mkdir(parents=True, exist_ok=True)
+        store = _STORES[path] = HostChunkStore(path)
+        if owner:
+            atexit.register(shutil.rmtree, path, True)
+    return store

@@ -30,7 +30,7 @@ from vllm.v1.request import Request
 from vllm.v1.utils import ConstantList
 
 from ascend_mepic.chunk_cache import ChunkCache, ChunkEntry, ChunkState
-from ascend_mepic.host_store import HostChunkStore, host_store
+from ascend_mepic.host_store import HostChunkStore
 from ascend_mepic.identity import ChunkId, chunk_identity
 from ascend_mepic.plan import ChunkCompile, RequestPlan, Residency
 from ascend_mepic.policies import Placement, Policy, parse_policy
@@ -174,7 +174,7 @@ class MepicKVCacheManager(KVCacheManager):
         self.mepic_block_size = self._single.block_size
         self.policy: Policy = parse_policy("mepic")
         self.dummy_token_id = 0  # LegoLink-0's dummy token (the model's BOS)
-        self.store: HostChunkStore = host_store()
+        self.store: HostChunkStore | None = None  # set by the scheduler for loading policies
         # Host-store compiles in flight: chunk -> temporary blocks, freed once the step ran.
         self._store_pending: dict[ChunkId, list[KVCacheBlock]] = {}
 
@@ -849,7 +849,7 @@ class MepicKVCacheManager(KVCacheManager):
             "requests_admitted": c.requests_admitted,
             "admissions_deferred": c.admissions_deferred,
             "blocks_loaded": c.blocks_loaded,
-            "host_store_chunks": len(self.store.chunks),
+            "host_store_chunks": self.store.num_chunks() if self.store else 0,
             "resident_chunks": len(self.chunk_cache.entries),
             "pinned_chunks": sum(e.pinned for e in self.chunk_cache.entries.values()),
             **{f"blocks_{k}": v for k, v in self.block_categories().items()},

@@ -73,11 +73,9 @@ class MepicScheduler(Scheduler):
         self.kv_cache_manager.dummy_token_id = int(bos) if bos is not None else 0
         # Requests of loading policies wait here until their chunks are in the host store.
         self._staged: dict[str, Request] = {}
-        if self.policy.loads_kv and not host_store().worker_attached:
-            raise ValueError(
-                f"policy {self.policy.name!r} copies chunk KV from the host store, which needs "
-                "the worker in the engine process (vLLM's single-worker 'uni' executor)"
-            )
+        if self.policy.loads_kv:
+            root = self.mepic_config.store_root(self.vllm_config)
+            self.kv_cache_manager.store = host_store(root, owner=True)
         logger.info(
             "MEPIC scheduling path on: block size %d, %d KV blocks, compile room %d tokens / "
             "%d sequences per step",
@@ -172,6 +170,9 @@ class MepicScheduler(Scheduler):
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> Any:
         staged = getattr(self, "_staged", {})
+        if request_ids is None:  # vLLM: every request (shutdown)
+            staged.clear()
+            return super().finish_requests(request_ids, finished_status)
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for request_id in ids:
             staged.pop(request_id, None)

@@ -58,8 +58,8 @@ def main() -> None:
             ]
         )
     info = {}
-    if job["mepic"]:
-        core = llm.llm_engine.engine_core.engine_core
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process engine only
+    if job["mepic"] and core is not None:
         manager = core.scheduler.kv_cache_manager
         if hasattr(manager, "metrics"):
             info = {"metrics": manager.metrics(), "chunk_blocks": list(manager.recent_chunk_blocks)}

@@ -136,3 +136,22 @@ def test_policy_parsing_and_fresh_sets():
     for bad in ("epic", "mepic-0", "legolink-2", "cacheblend-0", "cachetune-101", "x", "full-3"):
         with pytest.raises(ValueError):
             parse_policy(bad)
+
+
+def test_private_placement_across_engine_processes(model, requests, runs):
+    """vLLM's default engine runs the worker in another process: the store crosses it."""
+    a, b = requests
+    job = {
+        "model": model,
+        "mepic": True,
+        "policy": "epic-16",
+        "block_size": B,
+        "max_tokens": 4,
+        "logprobs": 5,
+        "batches": [[encode(a)], [encode(b), encode(a)]],
+    }
+    out = run_engine(job, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    want = runs["epic-16"]["batches"]
+    assert [[x["tokens"] for x in bt] for bt in out["batches"]] == [
+        [x["tokens"] for x in bt] for bt in want
+    ]

@@ -21,7 +21,7 @@ B = 32
 RUNNER = Path(__file__).with_name("engine_runner.py")
 
 
-def run_engine(job: dict) -> dict:
+def run_engine(job: dict, **env_overrides: str) -> dict:
     env = dict(
         os.environ,
         VLLM_CPU_KVCACHE_SPACE="1",
@@ -29,6 +29,7 @@ def run_engine(job: dict) -> dict:
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         PYTHONPATH=str(RUNNER.parent.parent),
     )
+    env.update(env_overrides)
     proc = subprocess.run(
         [sys.executable, str(RUNNER), json.dumps(job)],
         capture_output=True,

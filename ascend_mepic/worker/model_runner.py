@@ -18,7 +18,7 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ascend_mepic.config import MepicConfig
-from ascend_mepic.host_store import StoredChunk, attach_worker, host_store
+from ascend_mepic.host_store import StoredChunk, host_store
 from ascend_mepic.segments import BLEND_KEY, LOADS_KEY, STORE_KEY
 from ascend_mepic.worker import blend, kv_transfer, step
 from ascend_mepic.worker.token_map import TokenMap
@@ -33,13 +33,13 @@ class MepicRunnerMixin:
         self._saves: list[tuple[str, list[int], bool, int]] = []
         self._blend: dict[str, tuple[float, int]] = {}  # request -> (ratio, check layer)
         self.mepic_blend_layer: int | None = None
-        policy = MepicConfig.from_additional_config(vllm_config.additional_config).parsed_policy
+        config = MepicConfig.from_additional_config(vllm_config.additional_config)
+        policy = config.parsed_policy
+        self._store = host_store(config.store_root(vllm_config)) if policy.loads_kv else None
         if policy.dynamic:
             if not vllm_config.model_config.enforce_eager:
                 raise ValueError(f"policy {policy.name!r} needs enforce_eager=True")
             self.mepic_blend_layer = policy.check_layer
-        self._store = host_store()
-        attach_worker()
 
     def _update_states(self, scheduler_output):
         loads: list[list] = []
@@ -67,6 +67,7 @@ class MepicRunnerMixin:
         by_chunk: dict[str, list[tuple[int, int]]] = {}
         for chunk_id, offset, block_id in loads:
             by_chunk.setdefault(chunk_id, []).append((int(offset), int(block_id)))
+        assert self._store is not None, "chunk loads without a host store"
         for chunk_id, pairs in by_chunk.items():
             stored = self._store.get(chunk_id)
             if stored is None:
@@ -79,6 +80,7 @@ class MepicRunnerMixin:
     def _save_compiles(self) -> None:
         """Keep this step's host-store compiles (right after the forward pass wrote them)."""
         saves, self._saves = self._saves, []
+        assert self._store is not None, "chunk stores without a host store"
         for chunk_id, block_ids, want_scores, num_tokens in saves:
             kv = kv_transfer.save_blocks(self.kv_caches, block_ids)
             scores = None
