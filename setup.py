@@ -17,6 +17,7 @@ setup(
         "transformers",
         "gguf",
         "tqdm",
+        "matplotlib",  # the benchmark reports' plots
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "ruff"],
