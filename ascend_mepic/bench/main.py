@@ -197,7 +197,7 @@ def cmd_qps(args: argparse.Namespace) -> int:
     if args.full:
         args.requests, points = 200, [2, 5, 10, 15, 20, 25]
     elif args.quick:
-        args.requests, args.max_tokens, args.articles, points = 6, 8, 1, [1, 4]
+        args.requests, args.max_tokens, args.articles, points = 4, 8, 1, [1, 4]
     else:
         points = [1, 2, 4]
     points = args.points or points
