@@ -95,10 +95,6 @@ class _RequestState:
         return self.plan is not None
 
     @property
-    def shared(self) -> list[bool]:
-        return [r is BlockRole.SHARED for r in self.roles]
-
-    @property
     def num_in_context(self) -> int:
         return len(self.compact_slots)
 
@@ -312,21 +308,17 @@ class MepicKVCacheManager(KVCacheManager):
 
     # ---------------------------------------------------------------- staging (loading policies)
 
-    def chunks_stored(self, request: Request) -> bool:
+    def chunks_stored(self, chunk_ids: dict[int, ChunkId | None]) -> bool:
         """Whether every chunk a loading policy copies from is in the host store."""
-        found = self.inspect(request)
-        assert found is not None
-        return all(c is None or self.store.contains(c) for c in found[1].values())
+        return all(c is None or self.store.contains(c) for c in chunk_ids.values())
 
-    def stage(self, request: Request) -> bool:
+    def stage(self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]) -> bool:
         """Make sure the chunks a loading policy copies from are in the host store.
 
-        Issues their compiles (within this step's compile room, into temporary blocks the worker
-        saves from after the forward pass); True once every chunk is stored.
+        ``layout`` and ``chunk_ids`` are the request's ``inspect`` result (computed once at
+        arrival). Issues the missing chunks' compiles (within this step's compile room, into
+        temporary blocks the worker saves from after the forward pass); True once all are stored.
         """
-        found = self.inspect(request)
-        assert found is not None
-        layout, chunk_ids = found
         ready = True
         for span in layout.chunk_spans:
             chunk_id = chunk_ids[span.segment]

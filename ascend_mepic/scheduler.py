@@ -27,10 +27,10 @@ from vllm.v1.request import Request, RequestStatus
 
 from ascend_mepic.config import MepicConfig
 from ascend_mepic.host_store import host_store
-from ascend_mepic.identity import model_fingerprint
+from ascend_mepic.identity import ChunkId, model_fingerprint
 from ascend_mepic.kv_manager import MepicKVCacheManager
 from ascend_mepic.policies import Placement
-from ascend_mepic.segments import COMPILE_KEY, STORE_KEY, UNPIN_KEY, LayoutError
+from ascend_mepic.segments import COMPILE_KEY, STORE_KEY, UNPIN_KEY, Layout, LayoutError
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,8 @@ class MepicScheduler(Scheduler):
         bos = getattr(model.hf_config, "bos_token_id", None)
         self.kv_cache_manager.dummy_token_id = int(bos) if bos is not None else 0
         # Requests of loading policies wait here until their chunks are in the host store.
-        self._staged: dict[str, Request] = {}
+        # (request, its layout, its chunk ids), inspected once at arrival.
+        self._staged: dict[str, tuple[Request, Layout, dict[int, ChunkId | None]]] = {}
         if self.policy.loads_kv:
             root = self.mepic_config.store_root(self.vllm_config)
             self.kv_cache_manager.store = host_store(root, owner=True)
@@ -131,8 +132,9 @@ class MepicScheduler(Scheduler):
             self._finish_now(request, status)
             return
         try:
-            if self.policy.loads_kv and manager.inspect(request) is not None:
-                self._staged[request.request_id] = request
+            found = manager.inspect(request) if self.policy.loads_kv else None
+            if found is not None:
+                self._staged[request.request_id] = (request, *found)
                 return
             manager.track(request)
         except (LayoutError, ValueError) as e:
@@ -150,8 +152,8 @@ class MepicScheduler(Scheduler):
     def _release_staged(self) -> None:
         """Staged requests whose chunks are all stored join vLLM's waiting queue (FIFO)."""
         manager = self.kv_cache_manager
-        for request_id, request in list(self._staged.items()):
-            if not manager.chunks_stored(request):
+        for request_id, (request, _, chunk_ids) in list(self._staged.items()):
+            if not manager.chunks_stored(chunk_ids):
                 continue
             del self._staged[request_id]
             try:
@@ -162,8 +164,8 @@ class MepicScheduler(Scheduler):
             super().add_request(request)
 
     def _stage_compiles(self) -> None:
-        for request in self._staged.values():
-            self.kv_cache_manager.stage(request)
+        for request, layout, chunk_ids in self._staged.values():
+            self.kv_cache_manager.stage(request, layout, chunk_ids)
 
     def get_num_unfinished_requests(self) -> int:
         return super().get_num_unfinished_requests() + len(getattr(self, "_staged", ()))
