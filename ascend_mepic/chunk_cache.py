@@ -30,6 +30,7 @@ from ascend_mepic.identity import ChunkId
 class ChunkState(str, enum.Enum):
     PENDING = "pending"  # blocks allocated, compile scheduled in the current step
     READY = "ready"  # canonical KV computed
+    LOADING = "loading"  # blocks allocated, KV being loaded from the tier (unusable until READY)
 
 
 @dataclass(eq=False)
@@ -107,6 +108,25 @@ class ChunkCache:
         self.entries[chunk_id] = entry
         self._pending.append(entry)
         return entry
+
+    def create_loading(self, chunk_id: ChunkId, num_tokens: int, num_blocks: int) -> ChunkEntry:
+        """Allocate canonical blocks for a chunk the worker loads from the tier this step."""
+        assert chunk_id not in self.entries
+        entry = ChunkEntry(chunk_id, num_tokens, self.block_pool.get_new_blocks(num_blocks))
+        entry.state = ChunkState.LOADING
+        self.entries[chunk_id] = entry
+        return entry
+
+    def finish_loading(self, entry: ChunkEntry, ok: bool) -> None:
+        """A verified load makes the chunk resident (idle until used); a failed one is dropped."""
+        assert entry.state is ChunkState.LOADING and entry.refs == 0
+        if ok:
+            entry.state = ChunkState.READY
+            if not entry.pinned:
+                self.lru.add(entry)
+            return
+        del self.entries[entry.chunk_id]
+        self.block_pool.free_blocks(entry.blocks)
 
     def acquire(self, entry: ChunkEntry) -> None:
         """One more request uses the chunk (the caller touches the blocks themselves)."""

@@ -7,12 +7,13 @@ This follows the convention vllm-ascend uses for its own options. With no ``mepi
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ascend_mepic.markers import DEFAULT_BEGIN, DEFAULT_END
-from ascend_mepic.policies import Policy, parse_policy
+from ascend_mepic.policies import Placement, Policy, parse_policy
 from ascend_mepic.segments import DEFAULT_PAD_TOKEN_ID
+from ascend_mepic.tier import TierConfig
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class MepicConfig:
     # Where private-placement policies keep canonical chunk KV (host memory, shared by the
     # scheduler and worker processes); "" = a per-engine directory under /dev/shm.
     host_store_dir: str = ""
+    # The off-device chunk tier in LMCache (see ascend_mepic/tier.py), e.g.
+    # {"cpu_gib": 1, "disk": "/var/cache/mepic"} or {"remote": "redis://10.0.0.5:6379"}.
+    tier: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_additional_config(cls, additional: dict[str, Any] | None) -> MepicConfig:
@@ -52,7 +56,19 @@ class MepicConfig:
         parse_policy(config.policy)  # ValueError names the choices
         if config.blend_check_layer < 0:
             raise ValueError("blend_check_layer must be >= 0")
+        policy = config.parsed_policy
+        if config.tier_config.enabled and (
+            policy.placement is not Placement.SHARED or policy.loads_kv
+        ):
+            raise ValueError(
+                f"the LMCache tier holds shared chunk KV (policies mepic and naive); policy "
+                f"{config.policy!r} keeps its chunks in the host store"
+            )
         return config
+
+    @property
+    def tier_config(self) -> TierConfig:
+        return TierConfig.parse(self.tier)
 
     def store_root(self, vllm_config: Any) -> str:
         from ascend_mepic.host_store import default_root

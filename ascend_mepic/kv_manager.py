@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ from vllm.v1.utils import ConstantList
 from ascend_mepic.chunk_cache import ChunkCache, ChunkEntry, ChunkState
 from ascend_mepic.host_store import HostChunkStore
 from ascend_mepic.identity import ChunkId, chunk_identity
-from ascend_mepic.plan import ChunkCompile, RequestPlan, Residency
+from ascend_mepic.plan import ChunkCompile, RequestPlan, Residency, TierLoad
 from ascend_mepic.policies import Placement, Policy, parse_policy
 from ascend_mepic.segments import (
     BLEND_KEY,
@@ -45,6 +45,7 @@ from ascend_mepic.segments import (
     Layout,
     layout_from_real,
 )
+from ascend_mepic.tier import TierIndex, recompute_share
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,12 @@ class MepicCounters:
     requests_admitted: int = 0
     admissions_deferred: int = 0
     blocks_loaded: int = 0
+    tier_loads_issued: int = 0
+    tier_loads: int = 0
+    tier_fallbacks: int = 0
+    tier_decided_load: int = 0
+    tier_decided_compute: int = 0
+    tier_puts_issued: int = 0
 
 
 class BlockRole(str, enum.Enum):
@@ -173,6 +180,10 @@ class MepicKVCacheManager(KVCacheManager):
         self.store: HostChunkStore | None = None  # set by the scheduler for loading policies
         # Host-store compiles in flight: chunk -> temporary blocks, freed once the step ran.
         self._store_pending: dict[ChunkId, list[KVCacheBlock]] = {}
+        self.tier: TierIndex | None = None  # set by the scheduler when the tier is configured
+        self._step_loads: list[TierLoad] = []
+        self._loads_in_flight: dict[str, tuple[TierLoad, KVCacheBlock]] = {}
+        self._load_seq = 0
 
     @staticmethod
     def _check_supported(config: KVCacheConfig) -> None:
@@ -338,7 +349,8 @@ class MepicKVCacheManager(KVCacheManager):
             if (
                 len(tokens) + len(dummy) > self._step_tokens_left
                 or self._step_seqs_left < 1
-                or table_len > self.block_pool.get_num_free_blocks()
+                or table_len
+                > self.block_pool.get_num_free_blocks()
                 - self.watermark_blocks
                 + self.chunk_cache.lru.evictable_blocks()
             ):
@@ -368,6 +380,108 @@ class MepicKVCacheManager(KVCacheManager):
             self.counters.tokens_computed += len(tokens) + len(dummy)
             self.counters.chunk_misses += 1
         return ready
+
+    # ---------------------------------------------------------------- the off-device tier
+
+    def tier_wanted(self, chunk_ids: dict[int, ChunkId | None], count: bool = False) -> bool:
+        """Must a request wait for tier loads? (a chunk of it is loading, or is missing from
+        the pool but in the tier, where loading beats compiling). ``count``: record decisions."""
+        if self.tier is None:
+            return False
+        wanted = False
+        for chunk_id in {c for c in chunk_ids.values() if c is not None}:
+            entry = self.chunk_cache.lookup(chunk_id)
+            if entry is not None:
+                wanted |= entry.state is ChunkState.LOADING
+                continue
+            backend = self.tier.where(chunk_id)
+            if backend is None:
+                continue
+            load = self.tier.should_load(backend)
+            wanted |= load
+            if count:
+                if load:
+                    self.counters.tier_decided_load += 1
+                else:
+                    self.counters.tier_decided_compute += 1
+        return wanted
+
+    def stage_tier_loads(self, layout: Layout, chunk_ids: dict[int, ChunkId | None]) -> None:
+        """Issue loads for a staged request's chunks that are in the tier but not in the pool.
+
+        Each load allocates the chunk's canonical blocks (state LOADING: no request may use
+        them) and a scratch block for its 1-token carrier sequence, within this step's sequence
+        room and free blocks; a load that does not fit waits for a later step.
+        """
+        assert self.tier is not None
+        keep_first = self.policy.keeps_first_block
+        for span in layout.chunk_spans:
+            chunk_id = chunk_ids[span.segment]
+            if chunk_id is None or self.chunk_cache.lookup(chunk_id) is not None:
+                continue
+            backend = self.tier.where(chunk_id)
+            if backend is None or not self.tier.should_load(backend):
+                continue
+            num_blocks = span.num_blocks - (0 if keep_first else 1)
+            need = num_blocks + 1
+            free = self.block_pool.get_num_free_blocks() - self.watermark_blocks
+            if (
+                self._step_seqs_left < 1
+                or self._step_tokens_left < 1
+                or need > free + self.chunk_cache.lru.evictable_blocks()
+            ):
+                self.counters.admissions_deferred += 1
+                continue
+            if need > free:
+                self.chunk_cache.evict_until_free(need + self.watermark_blocks)
+            entry = self.chunk_cache.create_loading(chunk_id, span.num_tokens, num_blocks)
+            scratch = self.block_pool.get_new_blocks(1)[0]
+            self._load_seq += 1
+            load = TierLoad(
+                f"mepic-load-{self._load_seq}-{chunk_id[:16]}",
+                chunk_id,
+                tuple(entry.block_ids),
+                span.num_tokens,
+                scratch.block_id,
+            )
+            self._step_loads.append(load)
+            self._loads_in_flight[load.io_id] = (load, scratch)
+            self._step_seqs_left -= 1
+            self._step_tokens_left -= 1
+            self.counters.tier_loads_issued += 1
+
+    def take_step_loads(self) -> list[TierLoad]:
+        out, self._step_loads = self._step_loads, []
+        return out
+
+    def tier_step_finished(self, scheduled_ids: Iterable[str]) -> None:
+        """Loads that ran in the finished step: verified ones become resident, others are
+        dropped (their chunk is compiled by the next request that needs it)."""
+        assert self.tier is not None
+        for io_id in [i for i in scheduled_ids if i in self._loads_in_flight]:
+            load, scratch = self._loads_in_flight.pop(io_id)
+            outcome = self.tier.dir.take_result(io_id) or {}
+            result = outcome.get(load.chunk_id, "error: no result from the worker")
+            self.block_pool.free_blocks([scratch])
+            entry = self.chunk_cache.lookup(load.chunk_id)
+            assert entry is not None and entry.state is ChunkState.LOADING
+            self.chunk_cache.finish_loading(entry, ok=result == "ok")
+            if result == "ok":
+                self.counters.tier_loads += 1
+            else:
+                self.tier.failed.add(load.chunk_id)
+                self.counters.tier_fallbacks += 1
+                logger.warning("MEPIC tier load of %s failed: %s", load.chunk_id[:12], result)
+
+    def wants_offload(self, chunk_id: ChunkId) -> bool:
+        """Should this compile's canonical KV go to the tier (write-through on compile)?"""
+        if self.tier is None or self.tier.config.offload != "compile":
+            return False
+        if self.tier.where(chunk_id) is not None:
+            return False  # already there (compiled because compiling was cheaper)
+        self.tier.failed.discard(chunk_id)  # a bad entry is replaced by this fresh one
+        self.counters.tier_puts_issued += 1
+        return True
 
     def unpin_chunks(self, request: Request) -> int:
         """Unpin the chunks of a control request (its segments name them); returns how many.
@@ -533,6 +647,9 @@ class MepicKVCacheManager(KVCacheManager):
                 residency.append(Residency.HOST)
                 continue
             entry = self.chunk_cache.lookup(chunk_id)
+            if entry is not None and entry.state is ChunkState.LOADING:
+                self.counters.admissions_deferred += 1  # usable once the load is verified
+                return None
             if entry is not None:
                 reused[span.segment] = entry
                 residency.append(
@@ -667,8 +784,10 @@ class MepicKVCacheManager(KVCacheManager):
             # A compile's first-block tokens are also recomputed in context, unless the policy
             # keeps the canonical first block (naive).
             overlap = 0 if self.policy.keeps_first_block else self.mepic_block_size
-            reused = st.layout.num_real_tokens - in_context - sum(
-                len(x.token_ids) - max(0, overlap - x.pad) for x in st.plan.compiles
+            reused = (
+                st.layout.num_real_tokens
+                - in_context
+                - sum(len(x.token_ids) - max(0, overlap - x.pad) for x in st.plan.compiles)
             )
         c.tokens_computed += computed
         c.tokens_reused += reused
@@ -802,8 +921,10 @@ class MepicKVCacheManager(KVCacheManager):
             1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None and not b.is_null
         )
         referenced_chunk = self.chunk_cache.num_blocks(referenced=True)
-        scratch = sum(len(st.scratch) for st in self._states.values()) + sum(
-            len(b) for b in self._store_pending.values()
+        scratch = (
+            sum(len(st.scratch) for st in self._states.values())
+            + sum(len(b) for b in self._store_pending.values())
+            + len(self._loads_in_flight)
         )
         chunk_first, chunk_private = set(), 0
         for rid, st in self._states.items():
@@ -830,9 +951,34 @@ class MepicKVCacheManager(KVCacheManager):
         )
         return cats
 
+    def tier_metrics(self) -> dict[str, Any]:
+        """Tier hits, loads, fallbacks, bytes moved and the load-or-compute decisions."""
+        if self.tier is None:
+            return {}
+        c = self.counters
+        worker = self.tier.worker_state()
+        costs = worker.get("load_s_per_token", {})
+        compute = worker.get("compute_s_per_token")
+        out: dict[str, Any] = {
+            "tier_loads_issued": c.tier_loads_issued,
+            "tier_loads": c.tier_loads,
+            "tier_fallbacks": c.tier_fallbacks,
+            "tier_decided_load": c.tier_decided_load,
+            "tier_decided_compute": c.tier_decided_compute,
+            "tier_puts_issued": c.tier_puts_issued,
+        }
+        if compute:
+            out["tier_compute_us_per_token"] = round(compute * 1e6, 3)
+        for backend, cost in costs.items():
+            out[f"tier_load_us_per_token_{backend}"] = round(cost * 1e6, 3)
+            out[f"tier_recompute_share_{backend}"] = round(recompute_share(cost, compute), 4)
+        out.update({f"tier_worker_{k}": v for k, v in worker.get("counters", {}).items()})
+        return out
+
     def metrics(self) -> dict[str, int]:
         c, s = self.counters, self.chunk_cache.stats
         return {
+            **self.tier_metrics(),
             "chunk_hits": c.chunk_hits,
             "chunk_misses": c.chunk_misses,
             "chunk_evictions": s.evictions,

@@ -43,6 +43,21 @@ class ChunkCompile:
 
 
 @dataclass(frozen=True)
+class TierLoad:
+    """Fill a chunk's canonical blocks from the off-device tier, as its own 1-token sequence.
+
+    The worker verifies the entry before the forward pass and reports the outcome under
+    ``io_id``; requests use the blocks only after that report (a failed load is compiled).
+    """
+
+    io_id: str
+    chunk_id: ChunkId
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    scratch_block_id: int
+
+
+@dataclass(frozen=True)
 class RequestPlan:
     """Block table and work for one request's prompt.
 

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from vllm.sampling_params import SamplingParams
@@ -30,7 +31,16 @@ from ascend_mepic.host_store import host_store
 from ascend_mepic.identity import ChunkId, model_fingerprint
 from ascend_mepic.kv_manager import MepicKVCacheManager
 from ascend_mepic.policies import Placement
-from ascend_mepic.segments import COMPILE_KEY, STORE_KEY, UNPIN_KEY, Layout, LayoutError
+from ascend_mepic.segments import (
+    COMPILE_KEY,
+    STORE_KEY,
+    TIER_LOAD_KEY,
+    TIER_PUT_KEY,
+    UNPIN_KEY,
+    Layout,
+    LayoutError,
+)
+from ascend_mepic.tier import TierIndex
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +81,18 @@ class MepicScheduler(Scheduler):
         self.kv_cache_manager.policy = self.policy
         bos = getattr(model.hf_config, "bos_token_id", None)
         self.kv_cache_manager.dummy_token_id = int(bos) if bos is not None else 0
+        self._carrier_token = self.kv_cache_manager.dummy_token_id  # tier loads' one token
         # Requests of loading policies wait here until their chunks are in the host store.
         # (request, its layout, its chunk ids), inspected once at arrival.
         self._staged: dict[str, tuple[Request, Layout, dict[int, ChunkId | None]]] = {}
+        root = self.mepic_config.store_root(self.vllm_config)
         if self.policy.loads_kv:
-            root = self.mepic_config.store_root(self.vllm_config)
             self.kv_cache_manager.store = host_store(root, owner=True)
+        tier = self.mepic_config.tier_config
+        if tier.enabled:
+            host_store(root, owner=True)  # owns (and removes at exit) the shared directory
+            self.kv_cache_manager.tier = TierIndex(tier, Path(root) / "tier", model.model)
+            logger.info("MEPIC chunk tier on: %s", tier)
         logger.info(
             "MEPIC scheduling path on: block size %d, %d KV blocks, compile room %d tokens / "
             "%d sequences per step",
@@ -132,8 +148,11 @@ class MepicScheduler(Scheduler):
             self._finish_now(request, status)
             return
         try:
-            found = manager.inspect(request) if self.policy.loads_kv else None
-            if found is not None:
+            stages = self.policy.loads_kv or manager.tier is not None
+            found = manager.inspect(request) if stages else None
+            if found is not None and (
+                self.policy.loads_kv or manager.tier_wanted(found[1], count=True)
+            ):
                 self._staged[request.request_id] = (request, *found)
                 return
             manager.track(request)
@@ -150,10 +169,13 @@ class MepicScheduler(Scheduler):
         self._finish_now(request, RequestStatus.FINISHED_ERROR)
 
     def _release_staged(self) -> None:
-        """Staged requests whose chunks are all stored join vLLM's waiting queue (FIFO)."""
+        """Staged requests whose chunks are all stored (host store) or loaded (tier) join vLLM's
+        waiting queue (FIFO)."""
         manager = self.kv_cache_manager
         for request_id, (request, _, chunk_ids) in list(self._staged.items()):
-            if not manager.chunks_stored(chunk_ids):
+            if self.policy.loads_kv and not manager.chunks_stored(chunk_ids):
+                continue
+            if not self.policy.loads_kv and manager.tier_wanted(chunk_ids):
                 continue
             del self._staged[request_id]
             try:
@@ -164,8 +186,12 @@ class MepicScheduler(Scheduler):
             super().add_request(request)
 
     def _stage_compiles(self) -> None:
+        manager = self.kv_cache_manager
         for request, layout, chunk_ids in self._staged.values():
-            self.kv_cache_manager.stage(request, layout, chunk_ids)
+            if self.policy.loads_kv:
+                manager.stage(request, layout, chunk_ids)
+            else:
+                manager.stage_tier_loads(layout, chunk_ids)
 
     def get_num_unfinished_requests(self) -> int:
         return super().get_num_unfinished_requests() + len(getattr(self, "_staged", ()))
@@ -228,10 +254,19 @@ class MepicScheduler(Scheduler):
         """
         output.finished_req_ids |= self._compiles_to_finish
         self._compiles_to_finish = set()
-        for request_id, compile_ in self.kv_cache_manager.take_step_compiles():
+        manager = self.kv_cache_manager
+        for load in manager.take_step_loads():
+            params = SamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                extra_args={TIER_LOAD_KEY: [load.chunk_id, list(load.block_ids), load.num_tokens]},
+            )
+            self._add_pseudo_request(
+                output, load.io_id, [self._carrier_token], params, [load.scratch_block_id]
+            )
+        for request_id, compile_ in manager.take_step_compiles():
             compile_id = f"mepic-compile-{compile_.chunk_id[:16]}-{request_id}"
             tokens = [*compile_.dummy_tokens, *compile_.token_ids]
-            n = len(tokens)
             extra: dict[str, Any] = {COMPILE_KEY: compile_.segment_lengths}
             if compile_.store_blocks:
                 extra[STORE_KEY] = [
@@ -240,25 +275,41 @@ class MepicScheduler(Scheduler):
                     compile_.store_scores,
                     len(compile_.token_ids),
                 ]
+            elif manager.wants_offload(compile_.chunk_id):
+                canonical = len(compile_.block_ids) - (0 if self.policy.keeps_first_block else 1)
+                extra[TIER_PUT_KEY] = [compile_.chunk_id, canonical, len(compile_.token_ids)]
             params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)
-            output.scheduled_new_reqs.append(
-                NewRequestData(
-                    req_id=compile_id,
-                    prompt_token_ids=tokens,
-                    mm_features=[],
-                    sampling_params=params,
-                    pooling_params=None,
-                    block_ids=(list(compile_.block_ids),),
-                    num_computed_tokens=0,
-                    lora_request=None,
-                )
+            self._add_pseudo_request(output, compile_id, tokens, params, list(compile_.block_ids))
+
+    def _add_pseudo_request(
+        self,
+        output: SchedulerOutput,
+        req_id: str,
+        tokens: list[int],
+        params: SamplingParams,
+        block_ids: list[int],
+    ) -> None:
+        """A sequence the worker runs this step only (compiles and tier loads); never tracked."""
+        output.scheduled_new_reqs.append(
+            NewRequestData(
+                req_id=req_id,
+                prompt_token_ids=tokens,
+                mm_features=[],
+                sampling_params=params,
+                pooling_params=None,
+                block_ids=(block_ids,),
+                num_computed_tokens=0,
+                lora_request=None,
             )
-            output.num_scheduled_tokens[compile_id] = n
-            output.total_num_scheduled_tokens += n
-            self._compiles_to_finish.add(compile_id)
+        )
+        output.num_scheduled_tokens[req_id] = len(tokens)
+        output.total_num_scheduled_tokens += len(tokens)
+        self._compiles_to_finish.add(req_id)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any):
         if self.mepic_manager is not None:
+            if self.mepic_manager.tier is not None:
+                self.mepic_manager.tier_step_finished(scheduler_output.num_scheduled_tokens)
             self.mepic_manager.step_finished()
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._finished_at_arrival:

@@ -140,6 +140,29 @@ def markdown(summary: dict[str, dict[str, Any]], n: int) -> str:
     return "\n".join(lines)
 
 
+_SAME_SETTINGS = ("model", "block_size", "check_layer", "paragraphs", "max_new_tokens", "seed")
+
+
+def _resumed(path: Path, config: dict[str, Any], requests: list) -> list[dict[str, Any]]:
+    """Per-question records of an earlier run that match this one's settings and question order.
+
+    Refuses (rather than silently mixing) a run with other settings or other policies.
+    """
+    old = json.loads(path.read_text())
+    for key in _SAME_SETTINGS:
+        if old["config"].get(key) != config[key]:
+            raise SystemExit(f"--resume {path}: {key} differs ({old['config'].get(key)!r})")
+    if old["config"]["policies"] != config["policies"]:
+        raise SystemExit(f"--resume {path}: policies differ ({old['config']['policies']})")
+    records = []
+    for rec, (q, _) in zip(old["questions"], requests, strict=False):
+        if rec["id"] != q.id:
+            break
+        records.append(rec)
+    print(f"resumed {len(records)} questions from {path}", flush=True)
+    return records
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -155,6 +178,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="20 questions (smoke run)")
     ap.add_argument("--json", type=Path, help="write config, summary and per-question results")
     ap.add_argument("--save-every", type=int, default=25, help="rewrite --json every N questions")
+    ap.add_argument(
+        "--resume",
+        type=Path,
+        help="reuse per-question results from an earlier --json run with the same settings "
+        "(the question list is prefix-stable in --questions, so a 50-question run seeds a 300 one)",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.questions = min(args.questions, 20)
@@ -183,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     config = {
         **vars(args),
         "json": str(args.json) if args.json else None,
+        "resume": str(args.resume) if args.resume else None,
         "policies": policies,
         "model_path": str(path),
         "eos": eos_ids,
@@ -194,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
 
-    records: list[dict[str, Any]] = []
+    records = _resumed(args.resume, config, requests) if args.resume else []
+    resumed = len(records)
     start = time.time()
 
     def dump(final: bool) -> None:
@@ -212,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
         tmp.replace(args.json)
 
     for i, (q, segments) in enumerate(requests):
+        if i < len(records):
+            continue
         res = evaluate_question(
             ref, tokenizer, segments, q.answers, policies, args.max_new_tokens, eos_ids
         )
@@ -226,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
             }
         )
         elapsed = time.time() - start
-        eta = elapsed / (i + 1) * (len(requests) - i - 1)
+        eta = elapsed / (i + 1 - resumed) * (len(requests) - i - 1)
         f1s = " ".join(f"{p}={res[p]['f1']:.2f}" for p in policies)
         print(
             f"[{i + 1}/{len(requests)}] {num_tokens} tok, {elapsed:.0f}s elapsed, "

@@ -5,7 +5,8 @@ backends, custom ops) never leaks between configurations.
 
 Job: {"model", "mepic": bool, "policy": str|null, "block_size", "max_model_len", "batches":
 [[{"segments": [[kind, [ids...]], ...], "salt": str|null}, ...], ...], "max_tokens",
-"logprobs"}. Each batch is one ``generate`` call, run in order on the same engine.
+"logprobs", "options" (MEPIC options), "reset_between_batches"}. Each batch is one
+``generate`` call, run in order on the same engine.
 """
 
 import json
@@ -37,7 +38,9 @@ def main() -> None:
         temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=job.get("logprobs", 5)
     )
     results = []
-    for batch in job["batches"]:
+    for index, batch in enumerate(job["batches"]):
+        if index and job.get("reset_between_batches"):
+            llm.reset_prefix_cache()  # evicts every idle chunk from the KV pool
         reqs = [[Segment(SegmentKind(k), tuple(ids)) for k, ids in r["segments"]] for r in batch]
         salts = [r.get("salt") for r in batch]
         if job["mepic"]:

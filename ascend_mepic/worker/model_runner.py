@@ -13,14 +13,18 @@ are ordinary sequences of the same batch. Everything else is vLLM's runner uncha
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import numpy as np
 import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ascend_mepic.config import MepicConfig
 from ascend_mepic.host_store import StoredChunk, host_store
-from ascend_mepic.segments import BLEND_KEY, LOADS_KEY, STORE_KEY
+from ascend_mepic.segments import BLEND_KEY, LOADS_KEY, STORE_KEY, TIER_LOAD_KEY, TIER_PUT_KEY
 from ascend_mepic.worker import blend, kv_transfer, step
+from ascend_mepic.worker.tier_io import WorkerTier
 from ascend_mepic.worker.token_map import TokenMap
 
 
@@ -36,6 +40,16 @@ class MepicRunnerMixin:
         config = MepicConfig.from_additional_config(vllm_config.additional_config)
         policy = config.parsed_policy
         self._store = host_store(config.store_root(vllm_config)) if policy.loads_kv else None
+        tier = config.tier_config
+        self._tier = (
+            WorkerTier(
+                tier, Path(config.store_root(vllm_config)) / "tier", vllm_config.model_config.model
+            )
+            if tier.enabled
+            else None
+        )
+        self._tier_puts: list[tuple[str, list[int], int]] = []
+        self._step_loaded = False  # this step's time includes tier loads (not a compute sample)
         if policy.dynamic:
             if not vllm_config.model_config.enforce_eager:
                 raise ValueError(f"policy {policy.name!r} needs enforce_eager=True")
@@ -43,6 +57,7 @@ class MepicRunnerMixin:
 
     def _update_states(self, scheduler_output):
         loads: list[list] = []
+        tier_loads: list[tuple[str, list]] = []
         for req_id in scheduler_output.finished_req_ids:
             self._token_maps.pop(req_id, None)
             self._blend.pop(req_id, None)
@@ -53,6 +68,11 @@ class MepicRunnerMixin:
                 self._blend[new.req_id] = tuple(extra[BLEND_KEY])
             if extra and extra.get(LOADS_KEY):
                 loads.extend(extra[LOADS_KEY])
+            if extra and TIER_LOAD_KEY in extra:
+                tier_loads.append((new.req_id, extra[TIER_LOAD_KEY]))
+            if extra and TIER_PUT_KEY in extra:
+                chunk_id, num_blocks, num_tokens = extra[TIER_PUT_KEY]
+                self._tier_puts.append((chunk_id, list(new.block_ids[0])[-num_blocks:], num_tokens))
             if extra and STORE_KEY in extra:
                 chunk_id, num_blocks, scores, num_tokens = extra[STORE_KEY]
                 table = list(new.block_ids[0])
@@ -60,7 +80,18 @@ class MepicRunnerMixin:
         out = super()._update_states(scheduler_output)  # zeroes the step's new blocks
         if loads:
             self._load_chunks(loads)
+        if tier_loads:
+            self._load_from_tier(tier_loads)
         return out
+
+    def _load_from_tier(self, tier_loads: list[tuple[str, list]]) -> None:
+        """Fill chunks' canonical blocks from the tier and report each verified outcome."""
+        assert self._tier is not None, "tier loads without a tier"
+        for io_id, (chunk_id, block_ids, num_tokens) in tier_loads:
+            result = self._tier.load(chunk_id, self.kv_caches, block_ids, num_tokens)
+            self._tier.dir.write_result(io_id, {chunk_id: result})
+        self._tier.publish()
+        self._step_loaded = True
 
     def _load_chunks(self, loads: list[list]) -> None:
         """Fill request-private blocks from the host store (before the forward pass)."""
@@ -94,10 +125,26 @@ class MepicRunnerMixin:
             self._store.put(chunk_id, StoredChunk(kv, num_tokens, scores))
 
     def execute_model(self, scheduler_output, *args, **kwargs):
+        start = time.perf_counter()
         out = super().execute_model(scheduler_output, *args, **kwargs)
         if self._saves:
             self._save_compiles()
+        if self._tier is not None:
+            tokens = scheduler_output.total_num_scheduled_tokens
+            if tokens >= self.mepic_block_size and not self._step_loaded:
+                self._tier.note_compute(time.perf_counter() - start, tokens)  # prefill-sized
+            self._step_loaded = False
+            if self._tier_puts:
+                self._offload_to_tier()
         return out
+
+    def _offload_to_tier(self) -> None:
+        """Write-through: this step's compiled chunks go to the tier right after the forward."""
+        puts, self._tier_puts = self._tier_puts, []
+        assert self._tier is not None
+        for chunk_id, block_ids, num_tokens in puts:
+            self._tier.put(chunk_id, kv_transfer.save_blocks(self.kv_caches, block_ids), num_tokens)
+        self._tier.publish()
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens_np):
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens_np)

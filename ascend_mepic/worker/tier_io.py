@@ -1,0 +1,209 @@
+"""Worker side of the LMCache chunk tier: offload canonical chunk KV, load and verify it back.
+
+An entry is one self-describing byte blob in LMCache: an 8-byte header length, a JSON header
+(format, chunk identity, dtype, shape, token count, BLAKE2b digest of the payload) and the payload
+(the chunk's canonical blocks of every layer, ``[num_layers, num_blocks, *block_shape]``, as
+``kv_transfer.save_blocks`` cuts them). A load checks identity, shape, dtype and digest before a
+single byte reaches the KV pool; anything else (a miss, a mismatch, a backend error) is reported
+to the scheduler as a failed load, which compiles the chunk instead. Nothing here raises into the
+engine: a full tier or a dead remote costs a warning and a counter, never a request.
+
+Loads run synchronously before the forward pass that first needs them (on CPU nothing overlaps
+with compute; layer-wise overlap would need a device stream and is not implemented).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ascend_mepic.identity import ChunkId
+from ascend_mepic.tier import (
+    CPU_BACKEND,
+    TIER_NAMESPACE,
+    TierConfig,
+    TierDir,
+    close_lmcache,
+    lmcache_key,
+    open_lmcache,
+)
+from ascend_mepic.worker import kv_transfer
+
+logger = logging.getLogger(__name__)
+
+ENTRY_FORMAT = 1
+_EMA = 0.3  # weight of the newest cost sample
+
+
+class TierEntryError(ValueError):
+    """A tier entry that must not be used (reason in the message)."""
+
+
+def encode_entry(chunk_id: ChunkId, kv: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    payload = kv.contiguous().view(torch.uint8).reshape(-1)
+    header = json.dumps(
+        {
+            "format": ENTRY_FORMAT,
+            "chunk_id": chunk_id,
+            "dtype": str(kv.dtype).removeprefix("torch."),
+            "shape": list(kv.shape),
+            "num_tokens": num_tokens,
+            "digest": hashlib.blake2b(payload.numpy().data, digest_size=16).hexdigest(),
+        }
+    ).encode()
+    header += b" " * (-(8 + len(header)) % 16)  # the payload starts 16-byte aligned
+    blob = torch.empty(8 + len(header) + payload.numel(), dtype=torch.uint8)
+    blob[:8] = torch.frombuffer(bytearray(struct.pack("<Q", len(header))), dtype=torch.uint8)
+    blob[8 : 8 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    blob[8 + len(header) :] = payload
+    return blob
+
+
+def decode_entry(
+    blob: torch.Tensor, chunk_id: ChunkId, shape: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """The entry's KV, after checking it is exactly what was asked for (TierEntryError if not)."""
+    raw = blob.reshape(-1)
+    if raw.numel() < 8:
+        raise TierEntryError("corrupt: truncated header")
+    (n,) = struct.unpack("<Q", bytes(raw[:8].tolist()))
+    if n > raw.numel() - 8:
+        raise TierEntryError("corrupt: header length")
+    try:
+        header = json.loads(bytes(raw[8 : 8 + n].numpy().tobytes()))
+    except ValueError as e:
+        raise TierEntryError("corrupt: header") from e
+    if header.get("format") != ENTRY_FORMAT:
+        raise TierEntryError(f"mismatch: format {header.get('format')}")
+    if header.get("chunk_id") != chunk_id:
+        raise TierEntryError("mismatch: chunk identity")
+    if header.get("dtype") != str(dtype).removeprefix("torch.") or header.get("shape") != list(
+        shape
+    ):
+        raise TierEntryError(f"mismatch: {header.get('dtype')} {header.get('shape')}")
+    payload = raw[8 + n :]
+    digest = hashlib.blake2b(payload.numpy().data, digest_size=16).hexdigest()
+    if digest != header.get("digest"):
+        raise TierEntryError("corrupt: digest")
+    return payload.view(dtype).reshape(tuple(shape))
+
+
+class WorkerTier:
+    """Puts and verified loads of chunk KV through LMCache, with the costs ``auto`` needs."""
+
+    def __init__(self, config: TierConfig, root: Path, model_name: str) -> None:
+        self.config = config
+        self.dir = TierDir(root)
+        self.lmcache = open_lmcache(config, model_name, True)
+        self.counters: Counter[str] = Counter()
+        self.load_cost: dict[str, float] = {}  # backend -> seconds per token (EMA)
+        self.compute_cost: float | None = None  # seconds per computed token (EMA)
+
+    @staticmethod
+    def _ema(old: float | None, new: float) -> float:
+        return new if old is None else (1 - _EMA) * old + _EMA * new
+
+    def put(self, chunk_id: ChunkId, kv: torch.Tensor, num_tokens: int) -> None:
+        from lmcache.v1.memory_management import MemoryFormat
+
+        try:
+            blob = encode_entry(chunk_id, kv, num_tokens)
+            size = torch.Size([blob.numel()])
+            obj = self.lmcache.allocate(size, torch.uint8, MemoryFormat.KV_2LTD)
+            if obj is None:
+                raise RuntimeError("LMCache CPU backend is full")
+            obj.tensor.copy_(blob)
+            self.lmcache.batched_put([lmcache_key(chunk_id, TIER_NAMESPACE)], [obj])
+        except Exception as e:
+            logger.warning("MEPIC tier: could not offload chunk %s: %s", chunk_id[:12], e)
+            self.counters["put_failures"] += 1
+            return
+        self.dir.marker(chunk_id).touch()
+        self.counters["puts"] += 1
+        self.counters["bytes_stored"] += int(blob.numel())
+        if CPU_BACKEND not in self.load_cost:  # calibrate the CPU tier's transfer cost once
+            self._calibrate(chunk_id, kv, num_tokens)
+
+    def _calibrate(self, chunk_id: ChunkId, kv: torch.Tensor, num_tokens: int) -> None:
+        key = lmcache_key(chunk_id, TIER_NAMESPACE)
+        start = time.perf_counter()
+        obj = self.lmcache.get(key, location=CPU_BACKEND)
+        if obj is None:
+            return
+        try:
+            decode_entry(obj.tensor, chunk_id, kv.shape, kv.dtype).clone()
+        finally:
+            obj.ref_count_down()
+        self.load_cost[CPU_BACKEND] = (time.perf_counter() - start) / max(1, num_tokens)
+
+    def load(
+        self,
+        chunk_id: ChunkId,
+        caches: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        num_tokens: int,
+    ) -> str:
+        """Copy a chunk's canonical blocks from the tier into ``block_ids``: "ok" or a reason."""
+        key = lmcache_key(chunk_id, TIER_NAMESPACE)
+        shape = (len(caches), len(block_ids), *caches[0].shape[1:])
+        start = time.perf_counter()
+        try:
+            backend = self.lmcache.contains(key)
+            obj = self.lmcache.get(key, location=backend) if backend else None
+            if obj is None:
+                raise TierEntryError("miss")
+            try:
+                kv = decode_entry(obj.tensor, chunk_id, shape, caches[0].dtype)
+                kv_transfer.load_blocks(caches, kv, range(len(block_ids)), block_ids)
+                nbytes = int(obj.tensor.numel())
+            finally:
+                obj.ref_count_down()
+        except Exception as e:
+            reason = str(e) if isinstance(e, TierEntryError) else f"error: {e}"
+            kind = reason.split(":", 1)[0]
+            self.counters[f"fallback_{kind}"] += 1
+            self.counters["fallbacks"] += 1
+            logger.warning(
+                "MEPIC tier: chunk %s not loaded (%s); compiling it instead", chunk_id[:12], reason
+            )
+            self._forget(chunk_id, key)
+            return reason
+        cost = (time.perf_counter() - start) / max(1, num_tokens)
+        self.load_cost[backend] = self._ema(self.load_cost.get(backend), cost)
+        self.counters["loads"] += 1
+        self.counters[f"loads_{backend}"] += 1
+        self.counters["bytes_loaded"] += nbytes
+        return "ok"
+
+    def _forget(self, chunk_id: ChunkId, key: Any) -> None:
+        self.dir.marker(chunk_id).unlink(missing_ok=True)
+        try:
+            self.lmcache.remove(key)
+        except Exception as e:  # remote backends may not support removal
+            logger.debug("MEPIC tier: could not remove %s: %s", chunk_id[:12], e)
+
+    def note_compute(self, seconds: float, tokens: int) -> None:
+        self.compute_cost = self._ema(self.compute_cost, seconds / tokens)
+
+    def publish(self) -> None:
+        """Costs and counters for the scheduler (auto decision, metrics)."""
+        self.dir.write_worker(
+            {
+                "time": time.time(),
+                "load_s_per_token": self.load_cost,
+                "compute_s_per_token": self.compute_cost,
+                "counters": dict(self.counters),
+            }
+        )
+
+    def close(self) -> None:
+        close_lmcache(self.lmcache)

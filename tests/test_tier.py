@@ -1,0 +1,165 @@
+"""The LMCache chunk tier in the real engine: offload, evict, reload, restart, corruption, salts,
+and two engines sharing a Redis server.
+
+Tiny random Llama (2 layers), float32, greedy, block size 32. Each engine run evicts every idle
+chunk from the KV pool between its batches (``reset_between_batches``), so the second and third
+batch find their chunks only in the tier. Every run's tokens and logprobs must equal a run without
+the tier: loading must be invisible in the outputs, and so must every failure path.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+from ascend_mepic.prepare import prepare_tiny_llama
+from ascend_mepic.segments import Segment
+from tests.test_serving_offline import encode, run_engine
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(prepare_tiny_llama())
+
+
+@pytest.fixture(scope="module")
+def prompts() -> tuple[list[Segment], list[Segment]]:
+    rng = random.Random(11)
+    doc = Segment.chunk([rng.randint(5, 500) for _ in range(90)])  # 2 canonical blocks
+    other = Segment.chunk([rng.randint(5, 500) for _ in range(70)])  # 2 canonical blocks
+    a = [Segment.prompt([1, 40, 41]), doc, other, Segment.prompt([60, 61, 62, 63])]
+    b = [Segment.prompt([1, 77, 78, 79, 80]), other, doc, Segment.prompt([70, 71])]
+    return a, b
+
+
+def _run(model: str, prompts, tier: dict | None, salts=(None, None, None)) -> dict:
+    a, b = prompts
+    batches = [
+        [{**encode(p), "salt": s}] for p, s in zip((a, b, a), salts, strict=True)
+    ]
+    result = run_engine(
+        {
+            "model": model,
+            "mepic": True,
+            "policy": "mepic",
+            "options": {"tier": tier} if tier else {},
+            "block_size": 32,
+            "max_tokens": 4,
+            "logprobs": 3,
+            "batches": batches,
+            "reset_between_batches": True,
+        }
+    )
+    return result
+
+
+def _same_outputs(got: dict, want: dict) -> None:
+    for batch_got, batch_want in zip(got["batches"], want["batches"], strict=True):
+        for g, w in zip(batch_got, batch_want, strict=True):
+            assert g["tokens"] == w["tokens"]
+            for lg, lw in zip(g["logprobs"], w["logprobs"], strict=True):
+                assert lg.keys() == lw.keys()
+                for t in lg:
+                    assert abs(lg[t] - lw[t]) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def untiered(model, prompts) -> dict:
+    return _run(model, prompts, None)
+
+
+def test_cpu_tier_reloads_evicted_chunks(model, prompts, untiered):
+    got = _run(model, prompts, {"cpu_gib": 0.1, "load": "always"})
+    _same_outputs(got, untiered)
+    m = got["metrics"]
+    assert m["chunk_misses"] == 2  # compiled once, in the first batch
+    assert m["chunk_evictions"] >= 4  # evicted after every batch
+    assert m["tier_loads"] == 4 and m["tier_fallbacks"] == 0
+    assert m["tier_worker_puts"] == 2 and m["tier_worker_loads_LocalCPUBackend"] == 4
+    assert m["tier_worker_bytes_loaded"] == 2 * m["tier_worker_bytes_stored"]
+    assert untiered["metrics"]["chunk_misses"] == 6  # without the tier: compiled every time
+
+
+def test_disk_tier_survives_restart_and_rejects_corruption(model, prompts, untiered, tmp_path):
+    tier = {"cpu_gib": 0.1, "disk": str(tmp_path / "tier"), "load": "always"}
+    first = _run(model, prompts, tier)
+    _same_outputs(first, untiered)
+    assert first["metrics"]["tier_worker_puts"] == 2
+
+    restarted = _run(model, prompts, tier)  # a new engine process: warm restart
+    _same_outputs(restarted, untiered)
+    m = restarted["metrics"]
+    assert m["chunk_misses"] == 0 and m["tier_loads"] == 6 and m["tier_fallbacks"] == 0
+    assert m["tier_worker_loads_RemoteBackend"] == 2  # from disk, then from the CPU tier
+
+    files = sorted(p for p in (tmp_path / "tier").rglob("*") if p.is_file())
+    assert len(files) == 2
+    for path in files:  # flip payload bytes, keep the size
+        data = bytearray(path.read_bytes())
+        data[-100:] = bytes(255 - x for x in data[-100:])
+        path.write_bytes(bytes(data))
+    corrupted = _run(model, prompts, tier)
+    _same_outputs(corrupted, untiered)
+    m = corrupted["metrics"]
+    assert m["tier_fallbacks"] == 2 and m["tier_worker_fallback_corrupt"] == 2
+    assert m["chunk_misses"] >= 2  # compiled instead, then served from the fresh entries
+
+
+def test_salts_isolate_in_the_tier(model, prompts, tmp_path):
+    tier = {"cpu_gib": 0.1, "disk": str(tmp_path / "tier"), "load": "always"}
+    got = _run(model, prompts, tier, salts=("tenant-a", "tenant-b", "tenant-b"))
+    m = got["metrics"]
+    # tenant-b never loads tenant-a's chunks: it compiles them, then reloads its own.
+    assert m["chunk_misses"] == 4 and m["tier_loads"] == 2
+    assert m["tier_worker_puts"] == 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    yield proc, f"redis://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait()
+
+
+def test_two_engines_share_redis_and_survive_its_death(model, prompts, untiered, redis_url):
+    proc, url = redis_url
+    tier = {"cpu_gib": 0.1, "remote": url, "load": "always"}
+    first = _run(model, prompts, tier)
+    _same_outputs(first, untiered)
+    second = _run(model, prompts, tier)  # another engine process: loads what the first put
+    _same_outputs(second, untiered)
+    assert second["metrics"]["chunk_misses"] == 0
+    assert second["metrics"]["tier_worker_loads_RemoteBackend"] == 2
+
+    proc.kill()
+    proc.wait()
+    dead = _run(model, prompts, tier)  # the remote is gone: serve on, from compute and CPU
+    _same_outputs(dead, untiered)
+    assert dead["metrics"]["chunk_misses"] == 2
