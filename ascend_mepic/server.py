@@ -731,6 +731,13 @@ _COUNTERS = {
     "tokens_computed": "Prompt tokens computed (in context or in chunk compiles)",
     "requests_admitted": "MEPIC requests admitted by the scheduler",
     "admissions_deferred": "MEPIC admissions deferred for lack of free blocks",
+    "tier_loads": "Chunks loaded from the off-device tier and verified",
+    "tier_fallbacks": "Tier loads that failed (miss, corruption, backend error) and were compiled",
+    "tier_decided_load": "Chunks found in the tier that the scheduler chose to load",
+    "tier_decided_compute": "Chunks found in the tier that the scheduler chose to recompute",
+    "tier_worker_puts": "Chunks offloaded to the tier",
+    "tier_worker_bytes_stored": "Bytes offloaded to the tier",
+    "tier_worker_bytes_loaded": "Bytes loaded from the tier",
 }
 _GAUGES = {
     "resident_chunks": "Chunks with KV resident in the pool",
