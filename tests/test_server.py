@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from argparse import Namespace
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -73,9 +74,8 @@ def model() -> str:
     return str(prepare_tiny_llama())
 
 
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory, request) -> str:
-    tmp = tmp_path_factory.mktemp("mepic-server")
+def launch_server(model: str, tmp: Path, extra_args: list[str] = ()) -> tuple[str, Callable]:
+    """Start ``ascend-mepic serve`` on the tiny model; returns (url, stop) once it is healthy."""
     port = _free_port()
     paths = [p for p in (_endpoint_metadata_dir(tmp / "meta"), str(REPO)) if p]
     env = dict(
@@ -103,7 +103,9 @@ def server(model, tmp_path_factory, request) -> str:
         # A small step budget (compile room 256 tokens) makes the engine-side rejection testable.
         "--max-num-batched-tokens",
         "512",
+        *extra_args,
     ]
+    tmp.mkdir(parents=True, exist_ok=True)
     log_path = tmp / "server.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen(
@@ -120,19 +122,27 @@ def server(model, tmp_path_factory, request) -> str:
                 proc.wait(timeout=30)
         log.close()
 
-    request.addfinalizer(stop)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            stop()
             pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return url
+                return url, stop
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
+    stop()
     pytest.fail(f"server not healthy in {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory, request) -> str:
+    url, stop = launch_server(model, tmp_path_factory.mktemp("mepic-server"))
+    request.addfinalizer(stop)
+    return url
 
 
 @pytest.fixture

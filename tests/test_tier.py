@@ -39,9 +39,7 @@ def prompts() -> tuple[list[Segment], list[Segment]]:
 
 def _run(model: str, prompts, tier: dict | None, salts=(None, None, None)) -> dict:
     a, b = prompts
-    batches = [
-        [{**encode(p), "salt": s}] for p, s in zip((a, b, a), salts, strict=True)
-    ]
+    batches = [[{**encode(p), "salt": s}] for p, s in zip((a, b, a), salts, strict=True)]
     result = run_engine(
         {
             "model": model,
@@ -163,3 +161,33 @@ def test_two_engines_share_redis_and_survive_its_death(model, prompts, untiered,
     dead = _run(model, prompts, tier)  # the remote is gone: serve on, from compute and CPU
     _same_outputs(dead, untiered)
     assert dead["metrics"]["chunk_misses"] == 2
+
+
+def test_two_servers_share_chunks_through_redis(model, redis_url, tmp_path):
+    """Two ``ascend-mepic serve`` processes on one Redis: the second loads the first's chunk."""
+    import json
+
+    import httpx
+
+    from tests.test_server import DOCS, fresh_stats, launch_server, marked
+
+    _, url = redis_url
+    config = {"mepic": {"tier": {"cpu_gib": 0.1, "remote": url, "load": "always"}}}
+    args = ["--additional-config", json.dumps(config)]
+    prompt = marked(DOCS[0] + " " + DOCS[1], "What does the farmer remember?")
+    texts, stats = [], []
+    for i in range(2):
+        server, stop = launch_server(model, tmp_path / f"server{i}", args)
+        try:
+            with httpx.Client(base_url=server, timeout=120) as client:
+                body = {"prompt": prompt, "max_tokens": 6, "temperature": 0.0}
+                r = client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                texts.append(r.json()["choices"][0]["text"])
+                stats.append(fresh_stats(client)["metrics"])
+        finally:
+            stop()
+    assert texts[0] == texts[1]
+    assert stats[0]["chunk_misses"] == 1 and stats[0]["tier_worker_puts"] == 1
+    assert stats[1]["chunk_misses"] == 0 and stats[1]["tier_loads"] == 1
+    assert stats[1]["tier_worker_loads_RemoteBackend"] == 1
