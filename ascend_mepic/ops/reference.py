@@ -3,6 +3,7 @@
 Vectorized per sequence (a Python loop over sequences, never over tokens): gather the sequence's
 KV blocks, drop pad slots, rotate K at each key's logical position, rotate Q, and run
 ``scaled_dot_product_attention`` with a causal mask in padded-index order and native GQA.
+Single-query sequences that see every key (decode) are batched into one padded SDPA per layer.
 """
 
 from __future__ import annotations
@@ -126,6 +127,58 @@ def _plans(meta: PagedRopeMetadata, rope: RopeSpec, device: torch.device) -> lis
     return plans
 
 
+@dataclass(frozen=True)
+class _DecodeBatch:
+    """Single-query sequences that see all their keys, padded to one length: one SDPA per layer
+    instead of one per sequence (decode steps of many requests)."""
+
+    rows: torch.Tensor  # [N] query row of each sequence
+    blocks: torch.Tensor  # [N, L] block id of each key (padding: any valid slot)
+    offsets: torch.Tensor  # [N, L]
+    key_cos: torch.Tensor  # [N, L, 1, D/2]
+    key_sin: torch.Tensor
+    query_cos: torch.Tensor  # [N, 1, D/2]
+    query_sin: torch.Tensor
+    mask: torch.Tensor | None  # [N, 1, 1, L] bool (None: no padding)
+
+
+def _split_decode(
+    meta: PagedRopeMetadata, plans: list[_SequencePlan]
+) -> tuple[_DecodeBatch | None, list[_SequencePlan]]:
+    """Batch the plans of single-query sequences without a mask; the rest run one by one."""
+    if "reference_decode" in meta.memo:
+        return meta.memo["reference_decode"]
+    single = [p for p in plans if p.q_rows.stop - p.q_rows.start == 1 and p.mask is None]
+    if len(single) < 2:
+        meta.memo["reference_decode"] = (None, plans)
+        return None, plans
+    rest = [p for p in plans if not (p.q_rows.stop - p.q_rows.start == 1 and p.mask is None)]
+    lengths = [len(p.blocks) for p in single]
+    longest = max(lengths)
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        fill = x[:1].expand(longest - len(x), *x.shape[1:])
+        return torch.cat((x, fill)) if len(x) < longest else x
+
+    batch = _DecodeBatch(
+        rows=torch.tensor([p.q_rows.start for p in single], device=single[0].blocks.device),
+        blocks=torch.stack([pad(p.blocks) for p in single]),
+        offsets=torch.stack([pad(p.offsets) for p in single]),
+        key_cos=torch.stack([pad(p.key_cos) for p in single]),
+        key_sin=torch.stack([pad(p.key_sin) for p in single]),
+        query_cos=torch.cat([p.query_cos for p in single]),
+        query_sin=torch.cat([p.query_sin for p in single]),
+        mask=None
+        if min(lengths) == longest
+        else (
+            torch.arange(longest, device=single[0].blocks.device)[None, :]
+            < torch.tensor(lengths, device=single[0].blocks.device)[:, None]
+        )[:, None, None, :],
+    )
+    meta.memo["reference_decode"] = (batch, rest)
+    return batch, rest
+
+
 def rope_paged_attention_reference(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -140,7 +193,21 @@ def rope_paged_attention_reference(
     """
     out = torch.empty_like(query)
     neox = rope.is_neox_style
-    for plan in _plans(meta, rope, query.device):
+    batch, plans = _split_decode(meta, _plans(meta, rope, query.device))
+    if batch is not None:
+        k = _rotate(kv_cache[0][batch.blocks, batch.offsets], batch.key_cos, batch.key_sin, neox)
+        v = kv_cache[1][batch.blocks, batch.offsets]
+        q = _rotate(query[batch.rows], batch.query_cos, batch.query_sin, neox)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [N, Hq, 1, D]
+            k.to(q.dtype).transpose(1, 2),  # [N, Hkv, L, D]
+            v.to(q.dtype).transpose(1, 2),
+            attn_mask=batch.mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[batch.rows] = o.squeeze(2)
+    for plan in plans:
         k = kv_cache[0][plan.blocks, plan.offsets]
         v = kv_cache[1][plan.blocks, plan.offsets]
         q = _rotate(query[plan.q_rows], plan.query_cos, plan.query_sin, neox)
