@@ -81,7 +81,6 @@ class MepicScheduler(Scheduler):
         self.kv_cache_manager.policy = self.policy
         bos = getattr(model.hf_config, "bos_token_id", None)
         self.kv_cache_manager.dummy_token_id = int(bos) if bos is not None else 0
-        self._carrier_token = self.kv_cache_manager.dummy_token_id  # tier loads' one token
         # Requests of loading policies wait here until their chunks are in the host store.
         # (request, its layout, its chunk ids), inspected once at arrival.
         self._staged: dict[str, tuple[Request, Layout, dict[int, ChunkId | None]]] = {}
@@ -262,7 +261,7 @@ class MepicScheduler(Scheduler):
                 extra_args={TIER_LOAD_KEY: [load.chunk_id, list(load.block_ids), load.num_tokens]},
             )
             self._add_pseudo_request(
-                output, load.io_id, [self._carrier_token], params, [load.scratch_block_id]
+                output, load.io_id, [manager.dummy_token_id], params, [load.scratch_block_id]
             )
         for request_id, compile_ in manager.take_step_compiles():
             compile_id = f"mepic-compile-{compile_.chunk_id[:16]}-{request_id}"

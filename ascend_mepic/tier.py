@@ -26,6 +26,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -258,8 +259,6 @@ class TierIndex:
 
     def worker_state(self) -> dict[str, Any]:
         """The worker's measured costs and counters (re-read at most every 0.2 s)."""
-        import time
-
         at, state = self._worker_cache
         if time.monotonic() - at > 0.2:
             state = self.dir.read_worker()

@@ -148,11 +148,13 @@ def _split_decode(
     """Batch the plans of single-query sequences without a mask; the rest run one by one."""
     if "reference_decode" in meta.memo:
         return meta.memo["reference_decode"]
-    single = [p for p in plans if p.q_rows.stop - p.q_rows.start == 1 and p.mask is None]
+    single: list[_SequencePlan] = []
+    rest: list[_SequencePlan] = []
+    for p in plans:
+        (single if p.q_rows.stop - p.q_rows.start == 1 and p.mask is None else rest).append(p)
     if len(single) < 2:
         meta.memo["reference_decode"] = (None, plans)
         return None, plans
-    rest = [p for p in plans if not (p.q_rows.stop - p.q_rows.start == 1 and p.mask is None)]
     lengths = [len(p.blocks) for p in single]
     longest = max(lengths)
 

@@ -79,7 +79,7 @@ def decode_entry(
     if n > raw.numel() - 8:
         raise TierEntryError("corrupt: header length")
     try:
-        header = json.loads(bytes(raw[8 : 8 + n].numpy().tobytes()))
+        header = json.loads(raw[8 : 8 + n].numpy().tobytes())
     except ValueError as e:
         raise TierEntryError("corrupt: header") from e
     if header.get("format") != ENTRY_FORMAT:
