@@ -155,3 +155,34 @@ def test_private_placement_across_engine_processes(model, requests, runs):
     assert [[x["tokens"] for x in bt] for bt in out["batches"]] == [
         [x["tokens"] for x in bt] for bt in want
     ]
+
+
+@pytest.mark.parametrize("policy", ["mepic", "epic-16"])
+def test_block_size_16_matches_reference(policy, model, requests):
+    """MEPIC's backend takes the paper's GPU block size on CPU too (CPU_ATTN's kernel needs 32)."""
+    from transformers import AutoModelForCausalLM
+
+    from ascend_mepic.policy_reference import PolicyReference
+
+    a, b = requests
+    run = run_engine(
+        {
+            "model": model,
+            "mepic": True,
+            "policy": policy,
+            "block_size": 16,
+            "max_tokens": 4,
+            "logprobs": 5,
+            "batches": [[encode(a)], [encode(b), encode(a)]],
+        }
+    )
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
+    ref = PolicyReference(hf, 16, dummy_token_id=hf.config.bos_token_id)
+    (cold_a,), (warm_b, warm_a) = run["batches"]
+    assert cold_a["tokens"] == warm_a["tokens"]
+    if policy == "mepic":
+        assert run["metrics"]["chunk_hits"] >= 4
+    for req, out in ((a, cold_a), (b, warm_b)):
+        want = ref.logprobs(list(req), policy)[0]
+        for tok, lp in out["logprobs"][0].items():
+            assert abs(want[int(tok)].item() - lp) < 1e-4, (policy, tok, want[int(tok)], lp)

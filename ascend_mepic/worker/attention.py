@@ -19,7 +19,12 @@ from dataclasses import dataclass
 
 import torch
 from vllm.forward_context import get_forward_context
-from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, AttentionType
+from vllm.v1.attention.backend import (
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    MultipleOf,
+)
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from ascend_mepic.ops import PagedRopeMetadata, rope_paged_attention, write_kv
@@ -167,6 +172,12 @@ class MepicAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_name() -> str:
         return "CPU_ATTN"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        """The torch ops take any block size; 16 is the paper's GPU setting (CPU_ATTN's own C++
+        kernel needs multiples of 32, which stock vLLM on CPU keeps)."""
+        return [MultipleOf(16)]
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
