@@ -116,15 +116,21 @@ def default_root(instance_id: str) -> Path:
 
 
 _STORES: dict[Path, HostChunkStore] = {}
+_OWNED: set[Path] = set()
 
 
 def host_store(root: str | Path, owner: bool = False) -> HostChunkStore:
-    """The store at ``root`` (one object per process); ``owner`` removes it at process exit."""
+    """The store at ``root`` (one object per process); ``owner`` removes it at process exit.
+
+    Ownership is registered even when the store object already exists: with an in-process
+    engine the worker (non-owner) opens it before the scheduler (owner) does.
+    """
     path = Path(root)
     store = _STORES.get(path)
     if store is None:
         path.mkdir(parents=True, exist_ok=True)
         store = _STORES[path] = HostChunkStore(path)
-        if owner:
-            atexit.register(shutil.rmtree, path, True)
+    if owner and path not in _OWNED:
+        _OWNED.add(path)
+        atexit.register(shutil.rmtree, path, True)
     return store

@@ -124,3 +124,33 @@ def test_poisson_arrivals_seeded_and_increasing():
     assert all(x < y for x, y in zip(a, a[1:], strict=False))
     assert 5 < a[-1] < 30
     assert stats.percentile([1, 2, 3, 4], 50) == 2.5
+
+
+def test_runner_drives_the_real_engine_at_block_16():
+    """One bench job per engine kind on the tiny model: MEPIC at the paper's block size 16, and
+    the stock prefix baseline rounded up to the 32 its CPU attention needs."""
+    from ascend_mepic.bench.runner import run_in_subprocess
+    from ascend_mepic.prepare import prepare_tiny_llama
+
+    job = {
+        "model": str(prepare_tiny_llama()),
+        "requests": 3,
+        "chunks": 2,
+        "seed": 0,
+        "articles": 1,
+        "block_size": 16,
+        "max_tokens": 2,
+        "qps": 50.0,
+        "kv_gib": 1,
+        "max_model_len": 2048,
+        "progress": False,
+    }
+    raws = {p: run_in_subprocess({**job, "policy": p}) for p in ("full", "mepic", "prefix")}
+    assert raws["mepic"]["block_size"] == 16 and raws["prefix"]["block_size"] == 32
+    for raw in raws.values():
+        assert all(r["finish_s"] is not None for r in raw["per_request"])
+        assert max(used for _, used in raw["kv_timeline"]) > 0
+    rows = [stats.summarize(raws[p], raws["full"]) for p in ("full", "mepic", "prefix")]
+    assert rows[0]["top1_agreement"] == 1.0
+    assert rows[1]["reuse_fraction"] > 0  # the second and third requests share the article
+    assert "prefix at 32" in stats.render_compare_report(rows, "T", hw="hw")

@@ -186,3 +186,17 @@ def test_block_size_16_matches_reference(policy, model, requests):
         want = ref.logprobs(list(req), policy)[0]
         for tok, lp in out["logprobs"][0].items():
             assert abs(want[int(tok)].item() - lp) < 1e-4, (policy, tok, want[int(tok)], lp)
+
+
+def test_store_owner_removes_it_even_if_a_worker_opened_it_first(tmp_path):
+    """In-process engines open the store in the worker before the scheduler claims it."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "store"
+    code = (
+        "from ascend_mepic.host_store import host_store; "
+        f"host_store({str(root)!r}); host_store({str(root)!r}, owner=True)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert not root.exists()

@@ -290,6 +290,13 @@ def render_compare_report(
             f"Workload {r0.get('workload')}: {r0.get('requests')} requests, QPS {r0.get('qps')}, "
             f"block size {r0.get('block_size')}."
         )
+        other = [r for r in rows if r.get("block_size") != r0.get("block_size")]
+        if other:
+            parts.append(
+                "Ran at another block size (stock vLLM's CPU attention needs a multiple of 32): "
+                + ", ".join(f"{r['policy']} at {r['block_size']}" for r in other)
+                + "; compare its KV by % of the pool or bytes, not blocks."
+            )
         parts.append("")
     parts += [table(rows), "", "Paper comparison (ratios, MEPIC paper Table 2, SQuAD):", ""]
     parts += paper_ratio_lines(rows)
