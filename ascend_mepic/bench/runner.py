@@ -53,6 +53,13 @@ def stock_block_size(block_size: int) -> int:
     return block_size
 
 
+def _model_len(requests: list[tuple[Any, list]], job: dict) -> int:
+    """4096, or more when the workload's longest prompt needs it (16 paragraphs per request)."""
+    longest = max(sum(len(s.token_ids) for s in segs) for _, segs in requests)
+    need = longest + job["max_tokens"] + (job["chunks"] + 1) * job["block_size"]  # chunk padding
+    return max(4096, -(-need // 1024) * 1024)
+
+
 def _block_bytes(llm: Any, block_size: int) -> int:
     try:
         mc = llm.llm_engine.model_config
@@ -86,7 +93,7 @@ def run(job: dict) -> dict:
         dtype="float32",
         enforce_eager=True,
         block_size=block_size,
-        max_model_len=job.get("max_model_len", 4096),
+        max_model_len=job.get("max_model_len") or _model_len(requests, job),
         seed=0,
         **kwargs,
     )
