@@ -116,6 +116,10 @@ class MepicScheduler(Scheduler):
             raise ValueError("max_num_seqs / max_num_batched_tokens too small for MEPIC")
         self.max_num_scheduled_tokens -= tokens
         self.max_num_running_reqs -= seqs
+        # vLLM 0.32 admits into RUNNING up to max_num_active_reqs, copied from max_num_seqs at
+        # construction; without this, admission overruns the reduced running limit.
+        if hasattr(self, "max_num_active_reqs"):
+            self.max_num_active_reqs = min(self.max_num_active_reqs, self.max_num_running_reqs)
         manager = self.kv_cache_manager
         assert isinstance(manager, MepicKVCacheManager)
         manager.compile_token_budget, manager.compile_seq_budget = tokens, seqs

@@ -26,8 +26,9 @@ def tiny_model(tmp_path_factory):
     return prepare_tiny_llama(tmp_path_factory.mktemp("models") / "tiny")
 
 
-def make_scheduler(model_dir, additional_config, num_blocks=64):
+def make_scheduler(model_dir, additional_config, num_blocks=64, max_num_seqs=None):
     args = EngineArgs(
+        max_num_seqs=max_num_seqs,
         model=str(model_dir),
         dtype="float32",
         block_size=B,
@@ -150,3 +151,14 @@ def test_request_ending_in_its_compile_step_leaves_the_chunk_resident(tiny_model
     assert manager.chunk_cache.stats.dropped_pending == 0
     assert manager.metrics()["resident_chunks"] == 1
     assert manager.block_categories()["compile_scratch"] == 0
+
+
+def test_admission_respects_the_compile_reserve(tiny_model):
+    """MEPIC keeps a quarter of max_num_seqs for compiles; admission must stop below the rest
+    (vLLM 0.32's separate active-request limit is lowered with it)."""
+    sched, hasher = make_scheduler(tiny_model, {"mepic": {}}, num_blocks=64, max_num_seqs=8)
+    assert sched.max_num_running_reqs == 6
+    for i in range(10):
+        sched.add_request(mepic_request(f"r{i}", [Segment.prompt([1, 2, 3 + i])], hasher))
+    out = sched.schedule()
+    assert len(sched.running) == 6 and len(out.scheduled_new_reqs) == 6
