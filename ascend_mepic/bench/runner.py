@@ -169,11 +169,18 @@ def run(job: dict) -> dict:
                 lp = c.logprobs[0] if c.logprobs else {}
                 r["top_logprobs"] = {str(k): v.logprob for k, v in lp.items()}
                 r["num_cached_tokens"] = o.num_cached_tokens
+                r["finish_reason"] = c.finish_reason
                 done += 1
                 if bar is not None:
                     bar.update(1)
     if bar is not None:
         bar.close()
+    rejected = [r["index"] for r in recs if r.get("finish_reason") == "error"]
+    if rejected:
+        raise RuntimeError(
+            f"{len(rejected)} of {len(recs)} requests were rejected by the engine (its log above "
+            f"says why, e.g. a step budget too small: --max-batched-tokens); not a valid run"
+        )
     metrics = manager.metrics() if hasattr(manager, "metrics") else {}
     return {
         "policy": policy,
