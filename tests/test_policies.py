@@ -80,16 +80,21 @@ def reference(model):
     )
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_engine_matches_reference(policy, runs, requests, reference):
-    ref = reference[0] if policy.startswith("cacheblend") else reference[1]
+def assert_matches_reference(policy, run, requests, ref) -> None:
+    """Cold and warm outputs agree; first-token logprobs equal the reference's within 1e-4."""
     a, b = requests
-    (cold_a,), (warm_b, warm_a) = runs[policy]["batches"]
+    (cold_a,), (warm_b, warm_a) = run["batches"]
     assert cold_a["tokens"] == warm_a["tokens"]  # cached or not, the same output
     for req, out in ((a, cold_a), (b, warm_b)):
         want = ref.logprobs(list(req), policy)[0]
         for tok, lp in out["logprobs"][0].items():
             assert abs(want[int(tok)].item() - lp) < 1e-4, (policy, tok, want[int(tok)], lp)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_engine_matches_reference(policy, runs, requests, reference):
+    ref = reference[0] if policy.startswith("cacheblend") else reference[1]
+    assert_matches_reference(policy, runs[policy], requests, ref)
 
 
 def test_policies_differ_where_they_should(runs, requests, reference):
@@ -178,14 +183,9 @@ def test_block_size_16_matches_reference(policy, model, requests):
     )
     hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
     ref = PolicyReference(hf, 16, dummy_token_id=hf.config.bos_token_id)
-    (cold_a,), (warm_b, warm_a) = run["batches"]
-    assert cold_a["tokens"] == warm_a["tokens"]
+    assert_matches_reference(policy, run, requests, ref)
     if policy == "mepic":
         assert run["metrics"]["chunk_hits"] >= 4
-    for req, out in ((a, cold_a), (b, warm_b)):
-        want = ref.logprobs(list(req), policy)[0]
-        for tok, lp in out["logprobs"][0].items():
-            assert abs(want[int(tok)].item() - lp) < 1e-4, (policy, tok, want[int(tok)], lp)
 
 
 def test_store_owner_removes_it_even_if_a_worker_opened_it_first(tmp_path):

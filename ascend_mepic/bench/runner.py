@@ -43,14 +43,17 @@ def build_requests(tokenizer: Any, job: dict) -> list[tuple[Any, list]]:
 
 
 def stock_block_size(block_size: int) -> int:
-    """Block size stock vLLM runs at: on CPU its CPU_ATTN kernel needs a multiple of 32, so a
-    smaller request (the paper's 16) is rounded up for the ``prefix`` baseline, and its row says
-    so; compare it with the others by KV % or bytes, not by block counts."""
+    """Block size stock vLLM runs at: on CPU its CPU_ATTN kernel takes only multiples of its
+    base (32), so a smaller request (the paper's 16) is rounded up for the ``prefix`` baseline,
+    and its row says so; compare it with the others by KV % or bytes, not by block counts."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu() and block_size % 32:
-        return -(-block_size // 32) * 32
-    return block_size
+    if not current_platform.is_cpu():
+        return block_size
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    (base,) = [s.base for s in CPUAttentionBackend.get_supported_kernel_block_sizes()]
+    return -(-block_size // base) * base
 
 
 def _model_len(requests: list[tuple[Any, list]], job: dict) -> int:
