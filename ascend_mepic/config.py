@@ -10,16 +10,16 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ascend_mepic.markers import DEFAULT_BEGIN, DEFAULT_END
-from ascend_mepic.policies import Placement, Policy, parse_policy
-from ascend_mepic.segments import DEFAULT_PAD_TOKEN_ID
-from ascend_mepic.tier import TierConfig
+from ascend_mepic.core.markers import DEFAULT_BEGIN, DEFAULT_END
+from ascend_mepic.core.policies import Placement, Policy, parse_policy
+from ascend_mepic.core.segments import DEFAULT_PAD_TOKEN_ID
+from ascend_mepic.tier.index import TierConfig
 
 
 @dataclass(frozen=True)
 class MepicConfig:
     enabled: bool = True
-    # A PIC policy (see ascend_mepic/policies.py): "mepic" shares chunk KV and recomputes each
+    # A PIC policy (see ascend_mepic/core/policies.py): "mepic" shares chunk KV and recomputes each
     # chunk's first block in context; "full" ignores segments (the accuracy reference); the
     # papers' baselines are "naive", "epic-K", "legolink-0", "cacheblend-R", "cachetune-R", and
     # "mepic-K" recomputes only K tokens of the first block.
@@ -37,7 +37,7 @@ class MepicConfig:
     # Where private-placement policies keep canonical chunk KV (host memory, shared by the
     # scheduler and worker processes); "" = a per-engine directory under /dev/shm.
     host_store_dir: str = ""
-    # The off-device chunk tier in LMCache (see ascend_mepic/tier.py), e.g.
+    # The off-device chunk tier in LMCache (see ascend_mepic/tier/index.py), e.g.
     # {"cpu_gib": 1, "disk": "/var/cache/mepic"} or {"remote": "redis://10.0.0.5:6379"}.
     tier: dict[str, Any] = field(default_factory=dict)
 
@@ -71,7 +71,7 @@ class MepicConfig:
         return TierConfig.parse(self.tier)
 
     def store_root(self, vllm_config: Any) -> str:
-        from ascend_mepic.host_store import default_root
+        from ascend_mepic.tier.host_store import default_root
 
         return self.host_store_dir or str(default_root(vllm_config.instance_id))
 

@@ -1,6 +1,6 @@
 """Answer accuracy of the PIC policy family on SQuAD v2, side by side on the same questions.
 
-Every policy runs through :class:`ascend_mepic.policy_reference.PolicyReference` (dense
+Every policy runs through :class:`ascend_mepic.eval.policy_reference.PolicyReference` (dense
 transformers reference, float64 attention), so the numbers measure what each policy's reuse does
 to the model's answers, independent of the engine. Per question the full-recompute reference
 (prefill, greedy answer, teacher-forced distributions) is computed once and every policy is
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ascend_mepic.policy_reference import PolicyReference, PromptState, parse_policy
-from ascend_mepic.squad_metrics import bootstrap_mean, exact_match, f1, paired_bootstrap
+from ascend_mepic.eval.policy_reference import PolicyReference, PromptState, parse_policy
+from ascend_mepic.eval.squad_metrics import bootstrap_mean, exact_match, f1, paired_bootstrap
 
 DEFAULT_POLICIES = "full,naive,epic-16,legolink-0,cacheblend-15,cachetune-15,mepic,mepic-4"
 
@@ -196,8 +196,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ascend_mepic.prepare import resolve_model
-    from ascend_mepic.squad_prompts import squad_chat_requests
+    from ascend_mepic.eval.prepare import resolve_model
+    from ascend_mepic.eval.squad_prompts import squad_chat_requests
 
     path = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 
-from ascend_mepic.kvsim import PLACEMENTS, TraceRequest, simulate
-from ascend_mepic.markers import TextSegment, tokenize_segments
-from ascend_mepic.segments import SegmentKind
-from ascend_mepic.trace import squad_trace
+from ascend_mepic.core.markers import TextSegment, tokenize_segments
+from ascend_mepic.core.segments import SegmentKind
+from ascend_mepic.eval.kvsim import PLACEMENTS, TraceRequest, simulate
+from ascend_mepic.eval.trace import squad_trace
 
 
 def load_trace(args: argparse.Namespace, qps: float, tokenizer) -> list[TraceRequest]:
@@ -43,7 +43,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from ascend_mepic.prepare import resolve_model
+    from ascend_mepic.eval.prepare import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.tokenizer)))
     print(

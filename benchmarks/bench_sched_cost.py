@@ -12,8 +12,8 @@ import argparse
 import random
 import time
 
-from ascend_mepic.kvsim import build_manager, make_request
-from ascend_mepic.segments import Segment
+from ascend_mepic.core.segments import Segment
+from ascend_mepic.eval.kvsim import build_manager, make_request
 
 
 def workload(n: int, seed: int = 0) -> list[list[Segment]]:

@@ -35,10 +35,10 @@ def worker(job: dict) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from ascend_mepic.markers import TextSegment, tokenize_segments
-    from ascend_mepic.offline import mepic_llm_kwargs, segment_request
-    from ascend_mepic.segments import SegmentKind
-    from ascend_mepic.trace import squad_trace
+    from ascend_mepic.core.markers import TextSegment, tokenize_segments
+    from ascend_mepic.core.segments import SegmentKind
+    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs, segment_request
+    from ascend_mepic.eval.trace import squad_trace
 
     tok = AutoTokenizer.from_pretrained(job["model"])
     lines = list(
@@ -126,7 +126,7 @@ def main() -> None:
         print("RESULT" + json.dumps(worker(json.loads(args.job))))
         return
 
-    from ascend_mepic.prepare import resolve_model
+    from ascend_mepic.eval.prepare import resolve_model
 
     model = str(resolve_model(args.model))
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="4")

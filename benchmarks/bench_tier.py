@@ -12,7 +12,7 @@ with ``max_tokens=1`` (their wall time is the TTFT):
 Engines (one process each): the CPU tier (LMCache local CPU backend) and the disk tier (LMCache
 ``fs`` connector with LMCache's CPU retention off, so every load reads the files), each with the
 load modes ``always`` (load), ``never`` (compile) and ``auto`` (measured per-token costs,
-``ascend_mepic.tier.choose_load``). Prints ratios; asserts nothing about time.
+``ascend_mepic.tier.index.choose_load``). Prints ratios; asserts nothing about time.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def worker(job: dict) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from ascend_mepic.offline import mepic_llm_kwargs, segment_request
-    from ascend_mepic.squad_prompts import chat_segments
-    from ascend_mepic.trace import squad_requests
+    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs, segment_request
+    from ascend_mepic.eval.squad_prompts import chat_segments
+    from ascend_mepic.eval.trace import squad_requests
 
     tok = AutoTokenizer.from_pretrained(job["model"])
     llm = LLM(
@@ -105,7 +105,7 @@ def main() -> None:
         print("RESULT" + json.dumps(worker(json.loads(args.job))))
         return
 
-    from ascend_mepic.prepare import resolve_model
+    from ascend_mepic.eval.prepare import resolve_model
 
     model = str(resolve_model(args.model))
     base = {

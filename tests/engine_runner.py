@@ -17,8 +17,8 @@ def main() -> None:
     job = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
 
-    from ascend_mepic.offline import generate_segments, mepic_llm_kwargs
-    from ascend_mepic.segments import Segment, SegmentKind
+    from ascend_mepic.core.segments import Segment, SegmentKind
+    from ascend_mepic.entrypoints.offline import generate_segments, mepic_llm_kwargs
 
     kwargs = {}
     if job["mepic"]:

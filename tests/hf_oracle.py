@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ascend_mepic.segments import BlockKind, Segment, SegmentKind, build_layout
+from ascend_mepic.core.segments import BlockKind, Segment, SegmentKind, build_layout
 
 
 def _rotate(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:

@@ -1,11 +1,11 @@
-"""Pure parts of ``ascend_mepic.bench`` (no engine)."""
+"""Pure parts of ``ascend_mepic.eval.bench`` (no engine)."""
 
 import math
 
 import pytest
 
-from ascend_mepic.bench import stats
-from ascend_mepic.segments import Segment, SegmentKind
+from ascend_mepic.core.segments import Segment, SegmentKind
+from ascend_mepic.eval.bench import stats
 
 
 def _segs(*chunks: tuple[int, ...]) -> list[Segment]:
@@ -129,8 +129,8 @@ def test_poisson_arrivals_seeded_and_increasing():
 def test_runner_drives_the_real_engine_at_block_16():
     """One bench job per engine kind on the tiny model: MEPIC at the paper's block size 16, and
     the stock prefix baseline rounded up to the 32 its CPU attention needs."""
-    from ascend_mepic.bench.runner import run_in_subprocess
-    from ascend_mepic.prepare import prepare_tiny_llama
+    from ascend_mepic.eval.bench.runner import run_in_subprocess
+    from ascend_mepic.eval.prepare import prepare_tiny_llama
 
     job = {
         "model": str(prepare_tiny_llama()),

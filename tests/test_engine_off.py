@@ -5,7 +5,7 @@ import subprocess
 import sys
 import textwrap
 
-from ascend_mepic.prepare import prepare_tiny_llama
+from ascend_mepic.eval.prepare import prepare_tiny_llama
 
 SCRIPT = textwrap.dedent(
     """
@@ -42,5 +42,5 @@ def run_engine(model, sched):
 def test_scheduler_cls_with_mepic_off_matches_stock(tmp_path):
     model = prepare_tiny_llama(tmp_path / "tiny")
     stock = run_engine(model, "stock")
-    plugin = run_engine(model, "ascend_mepic.scheduler.MepicScheduler")
+    plugin = run_engine(model, "ascend_mepic.core.scheduler.MepicScheduler")
     assert stock == plugin

@@ -5,11 +5,11 @@ import random
 import pytest
 from vllm.v1.request import RequestStatus
 
-from ascend_mepic.chunk_cache import ChunkState
-from ascend_mepic.kv_manager import MepicCapacityError, MepicKVCacheManager
-from ascend_mepic.kvsim import build_manager, make_request
-from ascend_mepic.plan import Residency
-from ascend_mepic.segments import BlockKind, Segment
+from ascend_mepic.core.chunk_cache import ChunkState
+from ascend_mepic.core.kv_manager import MepicCapacityError, MepicKVCacheManager
+from ascend_mepic.core.plan import Residency
+from ascend_mepic.core.segments import BlockKind, Segment
+from ascend_mepic.eval.kvsim import build_manager, make_request
 
 B = 16
 
@@ -327,7 +327,7 @@ def test_free_queue_including_cached_prefix_blocks_goes_before_idle_chunks():
 
 
 def test_pinned_chunks_are_never_evicted_until_unpinned():
-    from ascend_mepic.segments import PIN_KEY
+    from ascend_mepic.core.segments import PIN_KEY
 
     m = build_manager("mepic", 20, B)  # 19 usable blocks
     c = chunk(1, 3 * B)

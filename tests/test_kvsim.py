@@ -3,9 +3,9 @@
 import json
 import random
 
-from ascend_mepic.cli import main
-from ascend_mepic.kvsim import OUTPUT_KEYS, parse_trace, simulate
-from ascend_mepic.segments import Segment, SegmentKind, build_layout
+from ascend_mepic.core.segments import Segment, SegmentKind, build_layout
+from ascend_mepic.entrypoints.cli import main
+from ascend_mepic.eval.kvsim import OUTPUT_KEYS, parse_trace, simulate
 
 B = 32
 

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ascend_mepic.models import UnsupportedModelError, check_model_supported
+from ascend_mepic.core.models import UnsupportedModelError, check_model_supported
 
 
 def config(**hf):

@@ -13,9 +13,9 @@ import random
 import pytest
 import torch
 
-from ascend_mepic.policies import Placement, parse_policy, top_fraction
-from ascend_mepic.prepare import prepare_tiny_llama
-from ascend_mepic.segments import Segment
+from ascend_mepic.core.policies import Placement, parse_policy, top_fraction
+from ascend_mepic.core.segments import Segment
+from ascend_mepic.eval.prepare import prepare_tiny_llama
 from tests.test_serving_offline import encode, run_engine
 
 B = 32
@@ -71,7 +71,7 @@ def runs(model, requests) -> dict[str, dict]:
 def reference(model):
     from transformers import AutoModelForCausalLM
 
-    from ascend_mepic.policy_reference import PolicyReference
+    from ascend_mepic.eval.policy_reference import PolicyReference
 
     hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
     return (
@@ -167,7 +167,7 @@ def test_block_size_16_matches_reference(policy, model, requests):
     """MEPIC's backend takes the paper's GPU block size on CPU too (CPU_ATTN's kernel needs 32)."""
     from transformers import AutoModelForCausalLM
 
-    from ascend_mepic.policy_reference import PolicyReference
+    from ascend_mepic.eval.policy_reference import PolicyReference
 
     a, b = requests
     run = run_engine(
@@ -195,7 +195,7 @@ def test_store_owner_removes_it_even_if_a_worker_opened_it_first(tmp_path):
 
     root = tmp_path / "store"
     code = (
-        "from ascend_mepic.host_store import host_store; "
+        "from ascend_mepic.tier.host_store import host_store; "
         f"host_store({str(root)!r}); host_store({str(root)!r}, owner=True)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ascend_mepic.policy_reference import PolicyReference, cachetune_scores, parse_policy
-from ascend_mepic.segments import Segment
-from ascend_mepic.squad_metrics import (
+from ascend_mepic.core.segments import Segment
+from ascend_mepic.eval.policy_reference import PolicyReference, cachetune_scores, parse_policy
+from ascend_mepic.eval.squad_metrics import (
     bootstrap_mean,
     exact_match,
     f1,
@@ -30,7 +30,7 @@ TOL = 1e-4
 def tiny():
     from transformers import AutoModelForCausalLM
 
-    from ascend_mepic.prepare import resolve_model
+    from ascend_mepic.eval.prepare import resolve_model
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(resolve_model("tiny"), dtype=torch.float32).eval()
@@ -225,10 +225,10 @@ def test_bootstrap_deterministic():
 def test_squad_chat_requests_shape():
     from transformers import AutoTokenizer
 
-    from ascend_mepic.prepare import resolve_model
-    from ascend_mepic.segments import SegmentKind
-    from ascend_mepic.squad_prompts import chat_segments, squad_chat_requests, template_ids
-    from ascend_mepic.trace import squad_requests
+    from ascend_mepic.core.segments import SegmentKind
+    from ascend_mepic.eval.prepare import resolve_model
+    from ascend_mepic.eval.squad_prompts import chat_segments, squad_chat_requests, template_ids
+    from ascend_mepic.eval.trace import squad_requests
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model("smollm2")))
     reqs = squad_chat_requests(tok, 5, num_paragraphs=3, seed=1)

@@ -1,4 +1,4 @@
-"""Tests for ascend_mepic.prepare: the local model folders for tests, benchmarks and the demo."""
+"""Tests for ascend_mepic.eval.prepare: local model folders for tests, benchmarks, the demo."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ascend_mepic import prepare
-from ascend_mepic.prepare import (
+from ascend_mepic.eval import prepare
+from ascend_mepic.eval.prepare import (
     MARKER,
     cache_dir,
     prepare_smollm2,

@@ -13,10 +13,10 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from ascend_mepic.kv_manager import MepicKVCacheManager
-from ascend_mepic.prepare import prepare_tiny_llama
-from ascend_mepic.scheduler import MepicScheduler
-from ascend_mepic.segments import EXTRA_ARGS_KEY, Segment, build_layout
+from ascend_mepic.core.kv_manager import MepicKVCacheManager
+from ascend_mepic.core.scheduler import MepicScheduler
+from ascend_mepic.core.segments import EXTRA_ARGS_KEY, Segment, build_layout
+from ascend_mepic.eval.prepare import prepare_tiny_llama
 
 B = 32
 
@@ -35,7 +35,7 @@ def make_scheduler(model_dir, additional_config, num_blocks=64, max_num_seqs=Non
         max_model_len=1024,
         enforce_eager=True,
         enable_prefix_caching=True,
-        scheduler_cls="ascend_mepic.scheduler.MepicScheduler",
+        scheduler_cls="ascend_mepic.core.scheduler.MepicScheduler",
         additional_config=additional_config,
     )
     config = args.create_engine_config()

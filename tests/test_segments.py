@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ascend_mepic.identity import chunk_identity
-from ascend_mepic.markers import MarkerError, Markers, segments_from_text, split_marked_text
-from ascend_mepic.segments import (
+from ascend_mepic.core.identity import chunk_identity
+from ascend_mepic.core.markers import MarkerError, Markers, segments_from_text, split_marked_text
+from ascend_mepic.core.segments import (
     BlockKind,
     LayoutError,
     Segment,
@@ -152,7 +152,7 @@ def test_trailing_chunk_rejected():
 
 
 def test_flat_segment_lengths_for_vllm_xargs():
-    from ascend_mepic.segments import parse_segment_lengths
+    from ascend_mepic.core.segments import parse_segment_lengths
 
     assert parse_segment_lengths(["prompt", 3, "chunk", 40, "prompt", 2]) == parse_segment_lengths(
         [["prompt", 3], ["chunk", 40], ["prompt", 2]]

@@ -21,9 +21,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from ascend_mepic.markers import MarkerError, segments_from_text
-from ascend_mepic.prepare import prepare_tiny_llama
-from ascend_mepic.segments import Segment
+from ascend_mepic.core.markers import MarkerError, segments_from_text
+from ascend_mepic.core.segments import Segment
+from ascend_mepic.eval.prepare import prepare_tiny_llama
 
 REPO = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 240
@@ -54,7 +54,7 @@ def _endpoint_metadata_dir(tmp: Path) -> str | None:
     Only for running these tests in an environment installed before the entry point was added
     to setup.py; a fresh `pip install -e .` makes this a no-op.
     """
-    from ascend_mepic.server import endpoint_plugin_installed
+    from ascend_mepic.entrypoints.server import endpoint_plugin_installed
 
     if endpoint_plugin_installed():
         return None
@@ -64,7 +64,8 @@ def _endpoint_metadata_dir(tmp: Path) -> str | None:
         "Metadata-Version: 2.1\nName: ascend-mepic-endpoint-test-shim\nVersion: 0\n"
     )
     (info / "entry_points.txt").write_text(
-        "[vllm.endpoint_plugins]\nascend_mepic = ascend_mepic.server:MepicEndpointPlugin\n"
+        "[vllm.endpoint_plugins]\n"
+        "ascend_mepic = ascend_mepic.entrypoints.server:MepicEndpointPlugin\n"
     )
     return str(tmp)
 
@@ -88,7 +89,7 @@ def launch_server(model: str, tmp: Path, extra_args: list[str] = ()) -> tuple[st
     cmd = [
         sys.executable,
         "-m",
-        "ascend_mepic.cli",
+        "ascend_mepic.entrypoints.cli",
         "serve",
         model,
         "--host",
@@ -390,7 +391,7 @@ def test_completions_match_offline_engine(client, model):
 
 
 def test_plugin_changes_nothing_without_mepic_config():
-    from ascend_mepic.server import MepicEndpointPlugin
+    from ascend_mepic.entrypoints.server import MepicEndpointPlugin
 
     for additional in ({}, {"other": 1}, {"mepic": {"enabled": False}}):
         app = FastAPI()
@@ -404,7 +405,7 @@ def test_plugin_changes_nothing_without_mepic_config():
 def test_serve_defaults_merge_with_user_options():
     import shutil
 
-    from ascend_mepic.server import apply_mepic_defaults
+    from ascend_mepic.entrypoints.server import apply_mepic_defaults
 
     def args(**kw) -> Namespace:
         base = dict(
@@ -418,7 +419,7 @@ def test_serve_defaults_merge_with_user_options():
 
     a = args()
     temp = apply_mepic_defaults(a, is_cpu=True)
-    assert a.scheduler_cls == "ascend_mepic.scheduler.MepicScheduler"
+    assert a.scheduler_cls == "ascend_mepic.core.scheduler.MepicScheduler"
     assert a.worker_cls == "ascend_mepic.worker.cpu_worker.MepicCPUWorker"
     assert a.enable_prefix_caching is True and a.block_size == 32
     assert a.additional_config["mepic"]["stats_file"].startswith(temp)
@@ -439,8 +440,8 @@ def test_serve_defaults_merge_with_user_options():
 def test_marked_text_segments_with_references(model):
     from transformers import AutoTokenizer
 
-    from ascend_mepic.markers import Markers
-    from ascend_mepic.server import MepicRequestError, marked_text_segments
+    from ascend_mepic.core.markers import Markers
+    from ascend_mepic.entrypoints.server import MepicRequestError, marked_text_segments
 
     tok = AutoTokenizer.from_pretrained(model)
     doc = tok.encode("the river", add_special_tokens=False)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ascend_mepic.prepare import prepare_tiny_llama
-from ascend_mepic.segments import Segment
+from ascend_mepic.core.segments import Segment
+from ascend_mepic.eval.prepare import prepare_tiny_llama
 from tests.hf_oracle import MepicOracle, full_segments
 
 B = 32

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from ascend_mepic.prepare import prepare_tiny_llama
-from ascend_mepic.segments import Segment
+from ascend_mepic.core.segments import Segment
+from ascend_mepic.eval.prepare import prepare_tiny_llama
 from tests.test_serving_offline import encode, run_engine
 
 

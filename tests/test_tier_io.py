@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from ascend_mepic.config import MepicConfig
-from ascend_mepic.tier import TIER_NAMESPACE, TierConfig, choose_load, lmcache_key, recompute_share
-from ascend_mepic.worker.tier_io import TierEntryError, WorkerTier, decode_entry, encode_entry
+from ascend_mepic.tier.index import (
+    TIER_NAMESPACE,
+    TierConfig,
+    choose_load,
+    lmcache_key,
+    recompute_share,
+)
+from ascend_mepic.tier.worker_io import TierEntryError, WorkerTier, decode_entry, encode_entry
 
 CHUNK = "ab" * 32
 OTHER = "cd" * 32

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from ascend_mepic.models import check_model_supported
+from ascend_mepic.core.models import check_model_supported
+from ascend_mepic.vllm_integration.version import check_vllm_version
 from ascend_mepic.worker.attention import register_backend
 from ascend_mepic.worker.model_runner import MepicCPUModelRunner
 from ascend_mepic.worker.rope import install_nope_rope
@@ -17,6 +18,7 @@ from ascend_mepic.worker.rope import install_nope_rope
 
 class MepicCPUWorker(CPUWorker):
     def __init__(self, *args, **kwargs) -> None:
+        check_vllm_version()
         super().__init__(*args, **kwargs)
         check_model_supported(self.vllm_config.model_config)
         install_nope_rope()

@@ -11,7 +11,8 @@ from __future__ import annotations
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
-from ascend_mepic.models import check_model_supported
+from ascend_mepic.core.models import check_model_supported
+from ascend_mepic.vllm_integration.version import check_vllm_version
 from ascend_mepic.worker.attention import register_backend
 from ascend_mepic.worker.model_runner import MepicRunnerMixin
 from ascend_mepic.worker.rope import install_nope_rope
@@ -25,6 +26,7 @@ class MepicGPUModelRunner(MepicRunnerMixin, GPUModelRunner):
 
 class MepicGPUWorker(Worker):
     def __init__(self, *args, **kwargs) -> None:
+        check_vllm_version()
         super().__init__(*args, **kwargs)
         check_model_supported(self.vllm_config.model_config)
         install_nope_rope()

@@ -21,10 +21,11 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ascend_mepic.config import MepicConfig
-from ascend_mepic.host_store import StoredChunk, host_store
-from ascend_mepic.segments import BLEND_KEY, LOADS_KEY, STORE_KEY, TIER_LOAD_KEY, TIER_PUT_KEY
-from ascend_mepic.worker import blend, kv_transfer, step
-from ascend_mepic.worker.tier_io import WorkerTier
+from ascend_mepic.core.segments import BLEND_KEY, LOADS_KEY, STORE_KEY, TIER_LOAD_KEY, TIER_PUT_KEY
+from ascend_mepic.tier import transfer as kv_transfer
+from ascend_mepic.tier.host_store import StoredChunk, host_store
+from ascend_mepic.tier.worker_io import WorkerTier
+from ascend_mepic.worker import blend, step
 from ascend_mepic.worker.token_map import TokenMap
 
 

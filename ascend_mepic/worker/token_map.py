@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ascend_mepic.segments import (
+from ascend_mepic.core.segments import (
     COMPILE_KEY,
     EXTRA_ARGS_KEY,
     FRESH_SLOTS_KEY,

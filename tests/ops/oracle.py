@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ascend_mepic.core.segments import Segment, build_layout
 from ascend_mepic.ops import RopeSpec, SequenceSpec, build_metadata, write_kv
 from ascend_mepic.ops.metadata import PagedRopeMetadata
 from ascend_mepic.ops.rope import default_cos_sin_cache
-from ascend_mepic.segments import Segment, build_layout
 
 
 def rotate_complex(x: torch.Tensor, pos: torch.Tensor, base: float, neox: bool) -> torch.Tensor:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ascend_mepic.segments import Segment, SegmentKind
+from ascend_mepic.core.segments import Segment, SegmentKind
 
 DEFAULT_BEGIN = "<<<MEPIC_CHUNK>>>"
 DEFAULT_END = "<<<END_MEPIC_CHUNK>>>"

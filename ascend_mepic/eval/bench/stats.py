@@ -112,7 +112,7 @@ def _int_keys(d: Mapping[Any, float]) -> dict[int, float]:
 
 def summarize(raw: Mapping[str, Any], full_raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The per-policy JSON from a runner's raw result (and full's, for fidelity)."""
-    from ascend_mepic.squad_metrics import exact_match, f1
+    from ascend_mepic.eval.squad_metrics import exact_match, f1
 
     reqs = raw["per_request"]
     lat = [r["finish_s"] - r["arrival_s"] for r in reqs]
@@ -175,8 +175,8 @@ def workload_stats(
     segments plus ``fresh_tokens`` of each chunk), and ``recomputed_first_seen``: the same with a
     chunk's first occurrence computed in full (its compile).
     """
-    from ascend_mepic.policies import parse_policy
-    from ascend_mepic.segments import SegmentKind, build_layout
+    from ascend_mepic.core.policies import parse_policy
+    from ascend_mepic.core.segments import SegmentKind, build_layout
 
     n = len(requests)
     seen: set[tuple[int, ...]] = set()

@@ -15,13 +15,13 @@ def _tokenizer(name: str | None) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    from ascend_mepic.prepare import resolve_model
+    from ascend_mepic.eval.prepare import resolve_model
 
     return AutoTokenizer.from_pretrained(str(resolve_model(name)))
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from ascend_mepic.prepare import prepare_smollm2, prepare_tiny_llama
+    from ascend_mepic.eval.prepare import prepare_smollm2, prepare_tiny_llama
 
     targets = {"smollm2": prepare_smollm2, "tiny": prepare_tiny_llama}
     names = list(targets) if args.model == "all" else [args.model]
@@ -31,7 +31,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from ascend_mepic.trace import squad_trace
+    from ascend_mepic.eval.trace import squad_trace
 
     tok = _tokenizer(args.tokenizer)
     for line in squad_trace(
@@ -48,7 +48,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_kvsim(args: argparse.Namespace) -> int:
-    from ascend_mepic.kvsim import PLACEMENTS, format_table, parse_trace, simulate
+    from ascend_mepic.eval.kvsim import PLACEMENTS, format_table, parse_trace, simulate
 
     tok = _tokenizer(args.tokenizer)
     with open(args.trace, encoding="utf-8") as f:
@@ -64,7 +64,7 @@ def cmd_kvsim(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(vllm_args: list[str]) -> int:
-    from ascend_mepic.server import serve
+    from ascend_mepic.entrypoints.server import serve
 
     serve(vllm_args)
     return 0
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     ks.add_argument("--json", help="write the result JSON here (a list for --placement all)")
     ks.set_defaults(func=cmd_kvsim)
 
-    from ascend_mepic.bench.main import add_parser as add_bench_parser
+    from ascend_mepic.eval.bench.main import add_parser as add_bench_parser
 
     add_bench_parser(sub)
 

@@ -29,12 +29,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from vllm.v1.request import Request
 from vllm.v1.utils import ConstantList
 
-from ascend_mepic.chunk_cache import ChunkCache, ChunkEntry, ChunkState
-from ascend_mepic.host_store import HostChunkStore
-from ascend_mepic.identity import ChunkId, chunk_identity
-from ascend_mepic.plan import ChunkCompile, RequestPlan, Residency, TierLoad
-from ascend_mepic.policies import Placement, Policy, parse_policy
-from ascend_mepic.segments import (
+from ascend_mepic.core.chunk_cache import ChunkCache, ChunkEntry, ChunkState
+from ascend_mepic.core.identity import ChunkId, chunk_identity
+from ascend_mepic.core.plan import ChunkCompile, RequestPlan, Residency, TierLoad
+from ascend_mepic.core.policies import Placement, Policy, parse_policy
+from ascend_mepic.core.segments import (
     BLEND_KEY,
     EXTRA_ARGS_KEY,
     FRESH_SLOTS_KEY,
@@ -45,7 +44,8 @@ from ascend_mepic.segments import (
     Layout,
     layout_from_real,
 )
-from ascend_mepic.tier import TierIndex, recompute_share
+from ascend_mepic.tier.host_store import HostChunkStore
+from ascend_mepic.tier.index import TierIndex, recompute_share
 
 logger = logging.getLogger(__name__)
 
@@ -581,7 +581,6 @@ class MepicKVCacheManager(KVCacheManager):
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
-        skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
         st = self._states.get(request.request_id)
         if st is None:
@@ -597,7 +596,6 @@ class MepicKVCacheManager(KVCacheManager):
                 full_sequence_must_fit=full_sequence_must_fit,
                 reserved_blocks=reserved_blocks,
                 has_scheduled_reqs=has_scheduled_reqs,
-                skip_zeroing_group_ids=skip_zeroing_group_ids,
             )
         if num_external_computed_tokens:
             raise MepicUnsupportedError("KV connectors are not supported with MEPIC requests yet")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ascend_mepic.identity import ChunkId
+from ascend_mepic.core.identity import ChunkId
 
 
 @dataclass

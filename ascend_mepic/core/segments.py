@@ -40,7 +40,7 @@ LOADS_KEY = "mepic_loads"
 BLEND_KEY = "mepic_blend"
 # On a compile: save its trailing blocks to the host store ([chunk id, num blocks, scores?]).
 STORE_KEY = "mepic_store"
-# Tier (ascend_mepic/tier.py): a compile's [chunk id, canonical blocks, tokens] to offload after
+# Tier (tier/index.py): a compile's [chunk id, canonical blocks, tokens] to offload after
 # the forward pass, and a load pseudo-request's [chunk id, block ids, tokens] to fill before it.
 TIER_PUT_KEY = "mepic_tier_put"
 TIER_LOAD_KEY = "mepic_tier_load"

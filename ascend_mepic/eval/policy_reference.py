@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ascend_mepic.segments import Segment, SegmentKind
+from ascend_mepic.core.segments import Segment, SegmentKind
 
 LEGOLINK_DUMMIES = 4
 _QUERY_BLOCK = 128  # query rows per attention block

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ascend_mepic.bench import stats
+from ascend_mepic.eval.bench import stats
 
 DEFAULT_COMPARE = ["full", "prefix", "naive", "epic-16", "cacheblend-15", "cachetune-15", "mepic"]
 QUICK_COMPARE = ["full", "epic-16", "cacheblend-15", "mepic"]
@@ -29,7 +29,7 @@ KV_NOTE = (
 
 
 def _model(name: str) -> str:
-    from ascend_mepic.prepare import resolve_model
+    from ascend_mepic.eval.prepare import resolve_model
 
     return str(resolve_model(name))
 
@@ -55,7 +55,7 @@ def _run_policies(
     args: argparse.Namespace, policies: list[str], qps: float, chunks: int, out: Path, tag: str
 ) -> list[dict[str, Any]]:
     """Run each policy (full first, for fidelity) and write one JSON per policy."""
-    from ascend_mepic.bench.runner import run_in_subprocess
+    from ascend_mepic.eval.bench.runner import run_in_subprocess
 
     order = sorted(policies, key=lambda p: p != "full")
     raws: dict[str, dict] = {}
@@ -222,7 +222,7 @@ def cmd_chunks(args: argparse.Namespace) -> int:
 def cmd_workload(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from ascend_mepic.bench.runner import build_requests
+    from ascend_mepic.eval.bench.runner import build_requests
 
     tok = AutoTokenizer.from_pretrained(_model(args.model))
     rows = []

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ascend_mepic.markers import Tokenizer
+from ascend_mepic.core.markers import Tokenizer
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the documents below. "

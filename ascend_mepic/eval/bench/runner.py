@@ -1,4 +1,4 @@
-"""One engine, one policy, one workload, in this process: ``python -m ascend_mepic.bench.runner
+"""One engine, one policy, one workload, in this process: ``python -m ascend_mepic.eval.bench.runner
 JOB_JSON`` prints ``RESULT{...}``.
 
 Requests arrive by a seeded Poisson process; this loop adds each request once its arrival time
@@ -20,18 +20,18 @@ STOCK_POLICIES = ("prefix", "full-stock")
 
 def build_requests(tokenizer: Any, job: dict) -> list[tuple[Any, list]]:
     """(SquadQuestion, segments) per request: the chat-template SQuAD workload."""
-    from ascend_mepic.trace import squad_requests
+    from ascend_mepic.eval.trace import squad_requests
 
     pairs = list(
         squad_requests(job["requests"], job["chunks"], job["seed"], job.get("articles") or None)
     )
     try:
-        from ascend_mepic.squad_prompts import chat_segments
+        from ascend_mepic.eval.squad_prompts import chat_segments
 
         return [(q, chat_segments(tokenizer, q.question, paras)) for q, paras in pairs]
     except ImportError:  # older tree: plain marker segments
-        from ascend_mepic.markers import TextSegment, tokenize_segments
-        from ascend_mepic.segments import SegmentKind
+        from ascend_mepic.core.markers import TextSegment, tokenize_segments
+        from ascend_mepic.core.segments import SegmentKind
 
         out = []
         for q, paras in pairs:
@@ -79,9 +79,9 @@ def run(job: dict) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from ascend_mepic.bench.stats import poisson_arrivals
-    from ascend_mepic.offline import mepic_llm_kwargs, segment_request
-    from ascend_mepic.segments import Segment, SegmentKind
+    from ascend_mepic.core.segments import Segment, SegmentKind
+    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs, segment_request
+    from ascend_mepic.eval.bench.stats import poisson_arrivals
 
     policy = job["policy"]
     tok = AutoTokenizer.from_pretrained(job["model"])
@@ -212,7 +212,7 @@ def run_in_subprocess(job: dict, timeout: float = 3600) -> dict:
         HF_HUB_OFFLINE="1",
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "ascend_mepic.bench.runner", json.dumps(job)],
+        [sys.executable, "-m", "ascend_mepic.eval.bench.runner", json.dumps(job)],
         stdout=subprocess.PIPE,
         stderr=None if job.get("progress", True) else subprocess.PIPE,
         text=True,

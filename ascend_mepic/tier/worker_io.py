@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from ascend_mepic.identity import ChunkId
-from ascend_mepic.tier import (
+from ascend_mepic.core.identity import ChunkId
+from ascend_mepic.tier import transfer as kv_transfer
+from ascend_mepic.tier.index import (
     CPU_BACKEND,
     TIER_NAMESPACE,
     TierConfig,
@@ -36,7 +37,6 @@ from ascend_mepic.tier import (
     lmcache_key,
     open_lmcache,
 )
-from ascend_mepic.worker import kv_transfer
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ascend_mepic.identity import ChunkId
-from ascend_mepic.segments import Layout
+from ascend_mepic.core.identity import ChunkId
+from ascend_mepic.core.segments import Layout
 
 
 class Residency(str, enum.Enum):

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ascend_mepic.segments import Segment, SegmentKind
-from ascend_mepic.trace import SquadQuestion, squad_requests
+from ascend_mepic.core.segments import Segment, SegmentKind
+from ascend_mepic.eval.trace import SquadQuestion, squad_requests
 
 SYSTEM_MESSAGE = "You are a helpful assistant that answers questions about documents."
 INSTRUCTION = (
@@ -89,7 +89,7 @@ def squad_chat_requests(
     tokenizer: Any, num_questions: int, num_paragraphs: int = 4, seed: int = 0
 ) -> list[tuple[SquadQuestion, list[Segment]]]:
     """Answerable SQuAD v2 questions, each with its gold paragraph and same-article distractors
-    (shuffled, :func:`ascend_mepic.trace.squad_requests`), as chat-template segments."""
+    (shuffled, :func:`ascend_mepic.eval.trace.squad_requests`), as chat-template segments."""
     return [
         (q, chat_segments(tokenizer, q.question, paragraphs))
         for q, paragraphs in squad_requests(num_questions, num_paragraphs, seed)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ascend_mepic.identity import ChunkId
+from ascend_mepic.core.identity import ChunkId
 
 logger = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request, RequestStatus
 
-from ascend_mepic.kv_manager import MepicCapacityError, MepicKVCacheManager
-from ascend_mepic.markers import TextSegment, Tokenizer, tokenize_segments
-from ascend_mepic.segments import EXTRA_ARGS_KEY, Segment, SegmentKind
+from ascend_mepic.core.kv_manager import MepicCapacityError, MepicKVCacheManager
+from ascend_mepic.core.markers import TextSegment, Tokenizer, tokenize_segments
+from ascend_mepic.core.segments import EXTRA_ARGS_KEY, Segment, SegmentKind
 
 PLACEMENTS = ("mepic", "private", "prefix")
 OUTPUT_KEYS = (

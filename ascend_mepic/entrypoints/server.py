@@ -63,12 +63,11 @@ from vllm.entrypoints.serve.utils.api_utils import (
     with_cancellation,
 )
 from vllm.entrypoints.serve.utils.sse_keep_alive import with_sse_keep_alive
-from vllm.exceptions import GenerationError, RetryableRequestError
+from vllm.exceptions import GenerationError
 
 from ascend_mepic.config import MepicConfig
-from ascend_mepic.markers import MarkerError, Markers, finish_segments, split_marked_text
-from ascend_mepic.offline import CPU_WORKER_CLS, SCHEDULER_CLS, worker_cls_for_platform
-from ascend_mepic.segments import (
+from ascend_mepic.core.markers import MarkerError, Markers, finish_segments, split_marked_text
+from ascend_mepic.core.segments import (
     EXTRA_ARGS_KEY,
     PIN_KEY,
     UNPIN_KEY,
@@ -78,13 +77,16 @@ from ascend_mepic.segments import (
     layout_from_lengths,
     layout_from_real,
 )
+from ascend_mepic.entrypoints.offline import CPU_WORKER_CLS, SCHEDULER_CLS, worker_cls_for_platform
+from ascend_mepic.vllm_integration.routes import include_router_replacing
+from ascend_mepic.vllm_integration.version import check_vllm_version
 
 logger = logging.getLogger(__name__)
 
 # One name for both entry points, so VLLM_PLUGINS=ascend_mepic allows the pair.
 PLUGIN_NAME = "ascend_mepic"
 ENDPOINT_PLUGINS_GROUP = "vllm.endpoint_plugins"
-ENDPOINT_ENTRY_POINT = "ascend_mepic.server:MepicEndpointPlugin"
+ENDPOINT_ENTRY_POINT = "ascend_mepic.entrypoints.server:MepicEndpointPlugin"
 CPU_BLOCK_SIZE = 32
 
 CHUNK_REF_OPEN = "<<<MEPIC_CHUNK_REF:"
@@ -396,7 +398,7 @@ class MepicService:
     def __init__(
         self, engine_client: Any, state: State, args: Namespace, config: MepicConfig
     ) -> None:
-        from vllm.renderers.chat_utils import load_chat_template
+        from vllm.entrypoints.chat_utils import load_chat_template
 
         vllm_config = engine_client.vllm_config
         self.engine_client = engine_client
@@ -506,8 +508,6 @@ class MepicService:
         handler = self.state.openai_serving_completion
         try:
             result = await handler.create_completion(request, raw_request)
-        except RetryableRequestError:
-            raise
         except GenerationError:
             # Finish reason "error": MEPIC finishes requests it can never place that way.
             return error_json(ENGINE_REJECTED)
@@ -620,8 +620,6 @@ class MepicService:
         )
         try:
             result = await self.state.openai_serving_completion.create_completion(request, None)
-        except RetryableRequestError:
-            raise
         except GenerationError:
             raise MepicRequestError(ENGINE_REJECTED) from None
         if isinstance(result, ErrorResponse):
@@ -934,7 +932,8 @@ class MepicEndpointPlugin:
             logger.info("MEPIC is off (no 'mepic' in --additional-config): no MEPIC routes")
             return
         app.state.mepic_config = config
-        app.include_router(router)
+        replaced = include_router_replacing(app, router)
+        logger.info("MEPIC routes in place of vLLM's: %s", ", ".join(replaced) or "none")
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
         config = getattr(state, "mepic_config", None)
@@ -1018,12 +1017,12 @@ def apply_mepic_defaults(args: Namespace, is_cpu: bool) -> str | None:
 
 def serve(argv: Sequence[str]) -> None:
     """``ascend-mepic serve MODEL [vLLM server options]``: vLLM's OpenAI server, MEPIC on."""
+    check_vllm_version()
     allow_mepic_plugins()  # before vLLM reads it anywhere
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.logger import configure_logging_from_args
     from vllm.platforms import current_platform
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -1045,6 +1044,5 @@ def serve(argv: Sequence[str]) -> None:
     if temp_dir is not None:
         atexit.register(shutil.rmtree, temp_dir, True)
     logger.info("MEPIC config: %s", json.dumps(args.additional_config["mepic"]))
-    configure_logging_from_args(args)
     validate_parsed_serve_args(args)
     uvloop.run(run_server(args))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from ascend_mepic.identity import ChunkId
+from ascend_mepic.core.identity import ChunkId
 
 
 class ChunkState(str, enum.Enum):

@@ -1,6 +1,6 @@
 """MepicScheduler: vLLM's scheduler with the chunk-aware KV manager swapped in.
 
-Install with ``--scheduler-cls ascend_mepic.scheduler.MepicScheduler`` and turn MEPIC on with
+Install with ``--scheduler-cls ascend_mepic.core.scheduler.MepicScheduler`` and turn MEPIC on with
 ``--additional-config '{"mepic": {}}'``. vLLM 0.32 builds its ``KVCacheManager`` inside
 ``Scheduler.__init__`` with no hook to choose another class, so this subclass replaces it right
 after construction, before any block is allocated. With MEPIC off it is stock vLLM's scheduler.
@@ -27,11 +27,10 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
 from ascend_mepic.config import MepicConfig
-from ascend_mepic.host_store import host_store
-from ascend_mepic.identity import ChunkId, model_fingerprint
-from ascend_mepic.kv_manager import MepicKVCacheManager
-from ascend_mepic.policies import Placement
-from ascend_mepic.segments import (
+from ascend_mepic.core.identity import ChunkId, model_fingerprint
+from ascend_mepic.core.kv_manager import MepicKVCacheManager
+from ascend_mepic.core.policies import Placement
+from ascend_mepic.core.segments import (
     COMPILE_KEY,
     STORE_KEY,
     TIER_LOAD_KEY,
@@ -40,13 +39,16 @@ from ascend_mepic.segments import (
     Layout,
     LayoutError,
 )
-from ascend_mepic.tier import TierIndex
+from ascend_mepic.tier.host_store import host_store
+from ascend_mepic.tier.index import TierIndex
+from ascend_mepic.vllm_integration.version import check_vllm_version
 
 logger = logging.getLogger(__name__)
 
 
 class MepicScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_vllm_version()
         super().__init__(*args, **kwargs)
         self.mepic_config = MepicConfig.from_additional_config(self.vllm_config.additional_config)
         self.mepic_errors: dict[str, tuple[int, str]] = {}  # request id -> (client, reason)

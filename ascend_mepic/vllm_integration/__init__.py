@@ -1,0 +1,30 @@
+"""Every place ascend_mepic touches a vLLM internal, in one package (targets vLLM 0.30.0).
+
+The rest of the plugin goes through vLLM's documented extension points: ``--scheduler-cls``,
+``--worker-cls``, attention-backend registration, ``CustomOp.register_oot``,
+``--additional-config``, the ``vllm.general_plugins`` / ``vllm.endpoint_plugins`` entry points and
+the KV-connector metadata field of ``SchedulerOutput``. What those do not cover is here, each with
+why it is needed; docs/architecture.md lists them. When vllm-ascend moves to a new vLLM, this
+package (and ``version.SUPPORTED_VLLM``) is what to port.
+
+* ``version``: the supported vLLM and the start-up check.
+* ``channel``: the typed per-step plan sent from the scheduler to the workers.
+* ``scheduler``: KV manager install, compile pseudo-requests, prompt rewrite, running limits,
+  outputs of requests finished at arrival.
+* ``runner``: the runner's step inputs MEPIC rewrites and the hand-off to the attention builders.
+* ``routes``: MEPIC's HTTP routes in place of vLLM's own completions routes.
+"""
+
+from ascend_mepic.vllm_integration.version import (
+    SUPPORTED_VLLM,
+    SUPPORTED_VLLM_ASCEND,
+    UnsupportedVllmVersion,
+    check_vllm_version,
+)
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "SUPPORTED_VLLM_ASCEND",
+    "UnsupportedVllmVersion",
+    "check_vllm_version",
+]
