@@ -27,18 +27,20 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock, hash_block_tokens
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from vllm.v1.request import Request
-from vllm.v1.utils import ConstantList
 
 from ascend_mepic.core.chunk_cache import ChunkCache, ChunkEntry, ChunkState
 from ascend_mepic.core.identity import ChunkId, chunk_identity
-from ascend_mepic.core.plan import ChunkCompile, RequestPlan, Residency, TierLoad
+from ascend_mepic.core.plan import (
+    ChunkCompile,
+    HostLoad,
+    RequestPlan,
+    Residency,
+    SequencePlacement,
+    TierLoad,
+)
 from ascend_mepic.core.policies import Placement, Policy, parse_policy
 from ascend_mepic.core.segments import (
-    BLEND_KEY,
     EXTRA_ARGS_KEY,
-    FRESH_SLOTS_KEY,
-    IN_CONTEXT_KEY,
-    LOADS_KEY,
     PIN_KEY,
     BlockKind,
     Layout,
@@ -46,6 +48,7 @@ from ascend_mepic.core.segments import (
 )
 from ascend_mepic.tier.host_store import HostChunkStore
 from ascend_mepic.tier.index import TierIndex, recompute_share
+from ascend_mepic.vllm_integration.scheduler import set_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +93,7 @@ class _RequestState:
     layout: Layout
     chunk_ids: dict[int, ChunkId | None]  # chunk segment -> identity; None if not cached
     roles: list[BlockRole]  # per layout block
+    placement: SequencePlacement  # what the worker needs to place its tokens
     compact_slots: list[int] = field(default_factory=list)  # padded index of in-context token i
     compact_before: list[int] = field(default_factory=list)  # in-context tokens before block i
     entries: list[ChunkEntry] = field(default_factory=list)  # acquired, one per occurrence
@@ -138,15 +142,6 @@ def mepic_block_hashes(
     return hashes
 
 
-def _set_prompt(request: Request, token_ids: list[int]) -> None:
-    """Replace an engine request's prompt before it is scheduled (vLLM 0.32 Request fields)."""
-    request.prompt_token_ids = token_ids
-    request._all_token_ids = list(token_ids)
-    request.all_token_ids = ConstantList(request._all_token_ids)
-    request.num_prompt_tokens = len(token_ids)
-    request._block_hasher = None
-
-
 class MepicKVCacheManager(KVCacheManager):
     """KVCacheManager with a chunk cache beside the prefix cache in one BlockPool."""
 
@@ -172,6 +167,7 @@ class MepicKVCacheManager(KVCacheManager):
         self._step_tokens_left = self.compile_token_budget
         self._step_seqs_left = self.compile_seq_budget
         self._step_compiles: list[tuple[str, ChunkCompile]] = []
+        self._host_loads: list[HostLoad] = []
         # Recent admissions' chunk block ids, for operators and tests (bounded).
         self.recent_chunk_blocks: deque[tuple[str, list[list[int]]]] = deque(maxlen=1024)
         self.mepic_block_size = self._single.block_size
@@ -301,19 +297,26 @@ class MepicKVCacheManager(KVCacheManager):
         for i in range(layout.num_blocks):
             compact_before[i + 1] += compact_before[i]
         padded = layout.padded_token_ids()
-        _set_prompt(request, [padded[i] for i in compact_slots])
+        set_prompt(request, [padded[i] for i in compact_slots])
         # Layout-keyed hashes of the prompt's full blocks; decode blocks are not prefix-cached.
         request.block_hashes = mepic_block_hashes(
             layout, padded, self.hash_fn, request.cache_salt, policy.name
         )
         request.max_tokens = min(request.max_tokens, self.max_model_len - layout.num_padded_tokens)
-        extra[IN_CONTEXT_KEY] = True  # tells the worker the prompt is in in-context form
-        if policy.kind != "mepic":
-            extra[FRESH_SLOTS_KEY] = compact_slots
-        if policy.dynamic:
-            extra[BLEND_KEY] = [policy.ratio, policy.check_layer]
+        placement = SequencePlacement(
+            segment_lengths=tuple((kind, n) for kind, n in layout.segment_lengths()),
+            num_in_context=len(compact_slots),
+            fresh_slots=tuple(compact_slots) if policy.kind != "mepic" else None,
+            blend=(policy.ratio, policy.check_layer) if policy.dynamic else None,
+        )
         self._states[request.request_id] = _RequestState(
-            layout, chunk_ids, roles, compact_slots, compact_before, pin=bool(extra.get(PIN_KEY))
+            layout,
+            chunk_ids,
+            roles,
+            placement,
+            compact_slots,
+            compact_before,
+            pin=bool(extra.get(PIN_KEY)),
         )
         return True
 
@@ -522,6 +525,16 @@ class MepicKVCacheManager(KVCacheManager):
         """(request id, compile) for every chunk first allocated in this step, once."""
         out, self._step_compiles = self._step_compiles, []
         return out
+
+    def take_host_loads(self) -> list[HostLoad]:
+        """Host-store copies into private blocks allocated in this step, once."""
+        out, self._host_loads = self._host_loads, []
+        return out
+
+    def placement(self, request_id: str) -> SequencePlacement | None:
+        """How the worker places a tracked request's tokens; None for other requests."""
+        st = self._states.get(request_id)
+        return st.placement if st is not None else None
 
     def get_plan(self, request_id: str) -> RequestPlan | None:
         st = self._states.get(request_id)
@@ -733,8 +746,7 @@ class MepicKVCacheManager(KVCacheManager):
         self.block_pool.touch(shared_touch)
         self._single.req_to_blocks[request.request_id] = table
         self._single.num_cached_block[request.request_id] = n_hit
-        if loads or LOADS_KEY in request.sampling_params.extra_args:
-            request.sampling_params.extra_args[LOADS_KEY] = loads
+        self._host_loads.extend(HostLoad(c, offset, block) for c, offset, block in loads)
         self.counters.blocks_loaded += len(loads)
 
         compute = tuple(

@@ -88,3 +88,56 @@ class RequestPlan:
         in_context = sum(self.layout.blocks[i].num_valid for i in self.compute_blocks)
         compiled_shared = sum(len(c.token_ids) - (bs - c.pad) for c in self.compiles)
         return self.layout.num_real_tokens - in_context - compiled_shared
+
+
+@dataclass(frozen=True)
+class SequencePlacement:
+    """Where a scheduled sequence's tokens go, for the worker (MEPIC requests and compiles).
+
+    A MEPIC request reaches the worker as its in-context tokens only; ``segment_lengths`` lets
+    the worker rebuild the layout and ``fresh_slots`` (policies other than mepic) lists the
+    padded index of each in-context token. A compile is the chunk alone (``compile=True``).
+    ``num_in_context`` is how many prompt tokens the worker must see for this sequence: a
+    different count means the two sides disagree and the step is refused.
+    """
+
+    segment_lengths: tuple[tuple[str, int], ...]
+    num_in_context: int
+    compile: bool = False
+    fresh_slots: tuple[int, ...] | None = None
+    blend: tuple[float, int] | None = None  # CacheBlend: (ratio, check layer)
+
+
+@dataclass(frozen=True)
+class HostLoad:
+    """Copy block ``offset`` of a chunk's host-store entry into private block ``block_id``."""
+
+    chunk_id: ChunkId
+    offset: int
+    block_id: int
+
+
+@dataclass(frozen=True)
+class ChunkSave:
+    """After the forward pass, copy a compile's ``block_ids`` out (host store or tier)."""
+
+    chunk_id: ChunkId
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    with_scores: bool = False  # host store: CacheTune's low-frequency scores
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything the scheduling path tells the workers about one step, in one structure.
+
+    It travels on ``SchedulerOutput.kv_connector_metadata`` (see
+    ``vllm_integration/channel.py``) to every worker (every tensor-parallel rank reads the same).
+    """
+
+    step: int
+    placements: dict[str, SequencePlacement]  # new or resumed sequences this step, by request id
+    host_loads: tuple[HostLoad, ...] = ()
+    host_saves: tuple[ChunkSave, ...] = ()
+    tier_puts: tuple[ChunkSave, ...] = ()
+    tier_loads: tuple[TierLoad, ...] = ()

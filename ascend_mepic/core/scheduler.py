@@ -19,28 +19,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
 from ascend_mepic.config import MepicConfig
-from ascend_mepic.core.identity import ChunkId, model_fingerprint
+from ascend_mepic.core.identity import ChunkId, model_fingerprint, weights_digest
 from ascend_mepic.core.kv_manager import MepicKVCacheManager
+from ascend_mepic.core.plan import ChunkSave, SequencePlacement, StepPlan
 from ascend_mepic.core.policies import Placement
-from ascend_mepic.core.segments import (
-    COMPILE_KEY,
-    STORE_KEY,
-    TIER_LOAD_KEY,
-    TIER_PUT_KEY,
-    UNPIN_KEY,
-    Layout,
-    LayoutError,
-)
+from ascend_mepic.core.segments import UNPIN_KEY, Layout, LayoutError
 from ascend_mepic.tier.host_store import host_store
 from ascend_mepic.tier.index import TierIndex
+from ascend_mepic.vllm_integration import channel
+from ascend_mepic.vllm_integration.scheduler import (
+    add_pseudo_request,
+    emit_finished_at_arrival,
+    install_kv_manager,
+    lower_running_limits,
+)
 from ascend_mepic.vllm_integration.version import check_vllm_version
 
 logger = logging.getLogger(__name__)
@@ -60,7 +59,7 @@ class MepicScheduler(Scheduler):
             raise ValueError("MEPIC does not support KV connectors yet; drop --kv-transfer-config")
         old = self.kv_cache_manager
         model = self.vllm_config.model_config
-        self.kv_cache_manager = MepicKVCacheManager(
+        manager = MepicKVCacheManager(
             kv_cache_config=old.kv_cache_config,
             max_model_len=old.max_model_len,
             max_in_flight_tokens=self.vllm_config.max_in_flight_tokens,
@@ -75,19 +74,26 @@ class MepicScheduler(Scheduler):
             metrics_collector=old.metrics_collector,
             watermark=self.scheduler_config.watermark,
             hash_fn=get_hash_fn_by_name(self.cache_config.prefix_caching_hash_algo),
-            model_fingerprint=model_fingerprint(model.model, str(model.dtype), model.revision),
+            model_fingerprint=model_fingerprint(
+                model.model,
+                str(model.dtype),
+                model.revision,
+                weights=weights_digest(model.model, model.revision),
+            ),
         )
+        install_kv_manager(self, manager)
+        self._step_count = 0
         self._reserve_compile_room()
         self._compiles_to_finish: set[str] = set()
-        self.policy = self.mepic_config.parsed_policy
-        self.kv_cache_manager.policy = self.policy
+        self.pic_policy = self.mepic_config.parsed_policy
+        self.kv_cache_manager.policy = self.pic_policy
         bos = getattr(model.hf_config, "bos_token_id", None)
         self.kv_cache_manager.dummy_token_id = int(bos) if bos is not None else 0
         # Requests of loading policies wait here until their chunks are in the host store.
         # (request, its layout, its chunk ids), inspected once at arrival.
         self._staged: dict[str, tuple[Request, Layout, dict[int, ChunkId | None]]] = {}
         root = self.mepic_config.store_root(self.vllm_config)
-        if self.policy.loads_kv:
+        if self.pic_policy.loads_kv:
             self.kv_cache_manager.store = host_store(root, owner=True)
         tier = self.mepic_config.tier_config
         if tier.enabled:
@@ -116,12 +122,7 @@ class MepicScheduler(Scheduler):
         seqs = max(1, self.max_num_running_reqs // 4)
         if self.max_num_running_reqs - seqs < 1 or self.max_num_scheduled_tokens - tokens < 1:
             raise ValueError("max_num_seqs / max_num_batched_tokens too small for MEPIC")
-        self.max_num_scheduled_tokens -= tokens
-        self.max_num_running_reqs -= seqs
-        # vLLM 0.32 admits into RUNNING up to max_num_active_reqs, copied from max_num_seqs at
-        # construction; without this, admission overruns the reduced running limit.
-        if hasattr(self, "max_num_active_reqs"):
-            self.max_num_active_reqs = min(self.max_num_active_reqs, self.max_num_running_reqs)
+        lower_running_limits(self, tokens, seqs)
         manager = self.kv_cache_manager
         assert isinstance(manager, MepicKVCacheManager)
         manager.compile_token_budget, manager.compile_seq_budget = tokens, seqs
@@ -135,7 +136,7 @@ class MepicScheduler(Scheduler):
         manager = self.mepic_manager
         if (
             manager is None
-            or self.policy.placement is Placement.NONE
+            or self.pic_policy.placement is Placement.NONE
             or request.request_id in self.requests
         ):
             super().add_request(request)
@@ -153,10 +154,10 @@ class MepicScheduler(Scheduler):
             self._finish_now(request, status)
             return
         try:
-            stages = self.policy.loads_kv or manager.tier is not None
+            stages = self.pic_policy.loads_kv or manager.tier is not None
             found = manager.inspect(request) if stages else None
             if found is not None and (
-                self.policy.loads_kv or manager.tier_wanted(found[1], count=True)
+                self.pic_policy.loads_kv or manager.tier_wanted(found[1], count=True)
             ):
                 self._staged[request.request_id] = (request, *found)
                 return
@@ -178,9 +179,9 @@ class MepicScheduler(Scheduler):
         waiting queue (FIFO)."""
         manager = self.kv_cache_manager
         for request_id, (request, _, chunk_ids) in list(self._staged.items()):
-            if self.policy.loads_kv and not manager.chunks_stored(chunk_ids):
+            if self.pic_policy.loads_kv and not manager.chunks_stored(chunk_ids):
                 continue
-            if not self.policy.loads_kv and manager.tier_wanted(chunk_ids):
+            if not self.pic_policy.loads_kv and manager.tier_wanted(chunk_ids):
                 continue
             del self._staged[request_id]
             try:
@@ -193,7 +194,7 @@ class MepicScheduler(Scheduler):
     def _stage_compiles(self) -> None:
         manager = self.kv_cache_manager
         for request, layout, chunk_ids in self._staged.values():
-            if self.policy.loads_kv:
+            if self.pic_policy.loads_kv:
                 manager.stage(request, layout, chunk_ids)
             else:
                 manager.stage_tier_loads(layout, chunk_ids)
@@ -252,63 +253,61 @@ class MepicScheduler(Scheduler):
             logger.warning("MEPIC could not write stats to %s: %s", path, e)
 
     def _add_compiles(self, output: SchedulerOutput) -> None:
-        """Run this step's chunk compiles as their own sequences in the same forward pass.
+        """Add this step's chunk compiles and tier loads, and send the step's plan.
 
-        A compile is the chunk alone from position 0 in ``[scratch, canonical...]`` blocks; it is
-        not a vLLM request (the scheduler never tracks it) and the worker forgets it next step.
+        A compile is the chunk alone from position 0 in ``[scratch, canonical...]`` blocks,
+        run as its own sequence of the same forward pass; a tier load is a one-token sequence
+        whose blocks the worker fills before the forward. Neither is a vLLM request; the
+        worker forgets them the next step. Everything the worker needs to place this step's
+        tokens goes into one ``StepPlan`` (``vllm_integration/channel.py``).
         """
         output.finished_req_ids |= self._compiles_to_finish
         self._compiles_to_finish = set()
         manager = self.kv_cache_manager
-        for load in manager.take_step_loads():
-            params = SamplingParams(
-                max_tokens=1,
-                temperature=0.0,
-                extra_args={TIER_LOAD_KEY: [load.chunk_id, list(load.block_ids), load.num_tokens]},
-            )
-            self._add_pseudo_request(
-                output, load.io_id, [manager.dummy_token_id], params, [load.scratch_block_id]
-            )
+        placements: dict[str, SequencePlacement] = {}
+        for new in output.scheduled_new_reqs:  # new and resumed requests
+            placement = manager.placement(new.req_id)
+            if placement is not None:
+                placements[new.req_id] = placement
+        tier_loads = tuple(manager.take_step_loads())
+        for load in tier_loads:
+            tokens = [manager.dummy_token_id]
+            self._add_sequence(output, load.io_id, tokens, [load.scratch_block_id])
+        host_saves: list[ChunkSave] = []
+        tier_puts: list[ChunkSave] = []
         for request_id, compile_ in manager.take_step_compiles():
             compile_id = f"mepic-compile-{compile_.chunk_id[:16]}-{request_id}"
             tokens = [*compile_.dummy_tokens, *compile_.token_ids]
-            extra: dict[str, Any] = {COMPILE_KEY: compile_.segment_lengths}
+            lengths = tuple((kind, n) for kind, n in compile_.segment_lengths)
+            placements[compile_id] = SequencePlacement(lengths, len(tokens), compile=True)
+            num_tokens = len(compile_.token_ids)
             if compile_.store_blocks:
-                extra[STORE_KEY] = [
-                    compile_.chunk_id,
-                    compile_.store_blocks,
-                    compile_.store_scores,
-                    len(compile_.token_ids),
-                ]
+                blocks = compile_.block_ids[-compile_.store_blocks :]
+                host_saves.append(
+                    ChunkSave(compile_.chunk_id, blocks, num_tokens, compile_.store_scores)
+                )
             elif manager.wants_offload(compile_.chunk_id):
-                canonical = len(compile_.block_ids) - (0 if self.policy.keeps_first_block else 1)
-                extra[TIER_PUT_KEY] = [compile_.chunk_id, canonical, len(compile_.token_ids)]
-            params = SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)
-            self._add_pseudo_request(output, compile_id, tokens, params, list(compile_.block_ids))
-
-    def _add_pseudo_request(
-        self,
-        output: SchedulerOutput,
-        req_id: str,
-        tokens: list[int],
-        params: SamplingParams,
-        block_ids: list[int],
-    ) -> None:
-        """A sequence the worker runs this step only (compiles and tier loads); never tracked."""
-        output.scheduled_new_reqs.append(
-            NewRequestData(
-                req_id=req_id,
-                prompt_token_ids=tokens,
-                mm_features=[],
-                sampling_params=params,
-                pooling_params=None,
-                block_ids=(block_ids,),
-                num_computed_tokens=0,
-                lora_request=None,
-            )
+                skip = 0 if self.pic_policy.keeps_first_block else 1  # the scratch block
+                blocks = compile_.block_ids[skip:]
+                tier_puts.append(ChunkSave(compile_.chunk_id, blocks, num_tokens))
+            self._add_sequence(output, compile_id, tokens, list(compile_.block_ids))
+        self._step_count += 1
+        channel.attach(
+            output,
+            StepPlan(
+                step=self._step_count,
+                placements=placements,
+                host_loads=tuple(manager.take_host_loads()),
+                host_saves=tuple(host_saves),
+                tier_puts=tuple(tier_puts),
+                tier_loads=tier_loads,
+            ),
         )
-        output.num_scheduled_tokens[req_id] = len(tokens)
-        output.total_num_scheduled_tokens += len(tokens)
+
+    def _add_sequence(
+        self, output: SchedulerOutput, req_id: str, tokens: list[int], block_ids: list[int]
+    ) -> None:
+        add_pseudo_request(output, req_id, tokens, block_ids)
         self._compiles_to_finish.add(req_id)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any):
@@ -327,11 +326,4 @@ class MepicScheduler(Scheduler):
     def _emit_finished_at_arrival(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         done, self._finished_at_arrival = self._finished_at_arrival, {}
         self.mepic_errors = {}
-        for request_id, (client_index, status) in done.items():
-            outputs.setdefault(client_index, EngineCoreOutputs()).outputs.append(
-                EngineCoreOutput(
-                    request_id=request_id,
-                    new_token_ids=[],
-                    finish_reason=RequestStatus.get_finished_reason(status),
-                )
-            )
+        emit_finished_at_arrival(outputs, done)

@@ -22,28 +22,13 @@ from functools import cached_property
 # Stored in pad slots of vLLM's token ids. Its value never matters: pads are masked everywhere.
 DEFAULT_PAD_TOKEN_ID = 0
 
-# SamplingParams.extra_args keys of the request protocol between API, scheduler and worker:
+# SamplingParams.extra_args keys a client sends with a request (``vllm_xargs`` on the server):
 # [[kind, num_real_tokens], ...] for a prompt sent as its real tokens,
 EXTRA_ARGS_KEY = "mepic_segments"
-# set by the scheduler once it rewrote the engine request to its in-context tokens,
-IN_CONTEXT_KEY = "mepic_in_context"
-# the token count of a chunk compile (an extra sequence the scheduler adds to a step),
-COMPILE_KEY = "mepic_compile"
 # and the explicit-chunk controls: pin the request's chunks once computed / unpin them.
 PIN_KEY = "mepic_pin"
 UNPIN_KEY = "mepic_unpin"
-# Set by the scheduler for policies other than MEPIC: the padded indices computed in context,
-# the blocks to fill from the host store ([[chunk id, block offset, block id], ...]) and
-# CacheBlend's [ratio, check layer].
-FRESH_SLOTS_KEY = "mepic_fresh_slots"
-LOADS_KEY = "mepic_loads"
-BLEND_KEY = "mepic_blend"
-# On a compile: save its trailing blocks to the host store ([chunk id, num blocks, scores?]).
-STORE_KEY = "mepic_store"
-# Tier (tier/index.py): a compile's [chunk id, canonical blocks, tokens] to offload after
-# the forward pass, and a load pseudo-request's [chunk id, block ids, tokens] to fill before it.
-TIER_PUT_KEY = "mepic_tier_put"
-TIER_LOAD_KEY = "mepic_tier_load"
+# What the scheduler tells the worker travels in a ``core.plan.StepPlan``, not in extra_args.
 
 
 class LayoutError(ValueError):

@@ -7,10 +7,11 @@ the buffer as ``[num_blocks, 2, B, Hkv, D]`` (K then V of each block, block-majo
 block-granular bookkeeping still maps to whole blocks), passed to the ops as the strided logical
 view ``[2, num_blocks, B, Hkv, D]``.
 
-The builder turns vLLM's ``CommonAttentionMetadata`` plus the runner's ``StepTables`` (logical
-positions, padded indices, per-block position tables) into the ops' ``PagedRopeMetadata``.
-Requests without a MEPIC layout get the identity tables, so plain requests are ordinary causal
-attention with RoPE at each token's position.
+The builder turns vLLM's ``CommonAttentionMetadata`` plus the ``StepTables`` its runner handed
+it (logical positions, padded indices, per-block position tables) into the ops'
+``PagedRopeMetadata``; tables that do not describe the batch raise ``StepPlanError``. In a step,
+plain requests have identity rows in those tables (ordinary causal attention with RoPE at each
+token's position); outside a step (vLLM's profiling runs) the builder builds identity tables.
 """
 
 from __future__ import annotations
@@ -29,14 +30,18 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from ascend_mepic.ops import PagedRopeMetadata, rope_paged_attention, write_kv
 from ascend_mepic.ops.rope import RopeSpec
+from ascend_mepic.vllm_integration.channel import StepPlanError
+from ascend_mepic.vllm_integration.runner import STEP_NOT_PLACED
 from ascend_mepic.worker import blend, step
 from ascend_mepic.worker.rope import registered_rope
+from ascend_mepic.worker.step import StepInputs
 
 
 @dataclass
 class MepicAttentionMetadata:
     num_actual_tokens: int
     paged: PagedRopeMetadata
+    blend: blend.BlendStep | None = None  # CacheBlend's selection state for this step
 
 
 def cache_view(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch.Tensor:
@@ -52,25 +57,38 @@ class MepicAttentionMetadataBuilder(AttentionMetadataBuilder[MepicAttentionMetad
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        self._inputs: StepInputs | object | None = None
+
+    def set_step_inputs(self, inputs: StepInputs | object | None) -> None:
+        """The runner's tables for the step being built (None outside a step)."""
+        self._inputs = inputs
 
     def build(
         self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False
     ) -> MepicAttentionMetadata:
         cm = common_attn_metadata
         num_reqs, num_tokens = cm.num_reqs, cm.num_actual_tokens
-        tables = step.current()
-        if tables is not None and tables.matches(num_reqs, num_tokens):
-            paged = tables.to_metadata(
+        inputs = self._inputs
+        if inputs is STEP_NOT_PLACED:
+            raise StepPlanError(
+                "MEPIC attention metadata requested for a step whose tokens the runner did not "
+                "place (the runner's _prepare_inputs did not run MEPIC's placement)"
+            )
+        if isinstance(inputs, StepInputs):
+            inputs.tables.check_matches(num_reqs, num_tokens)
+            paged = inputs.tables.to_metadata(
                 self.block_size, cm.query_start_loc[: num_reqs + 1], cm.block_table_tensor
             )
-        else:
-            paged = step.plain_metadata(
-                self.block_size,
-                cm.query_start_loc[: num_reqs + 1],
-                cm.positions[:num_tokens],
-                cm.seq_lens[:num_reqs],
-                cm.block_table_tensor[:num_reqs],
-            )
+            return MepicAttentionMetadata(num_tokens, paged, inputs.blend)
+        # Outside a step (vLLM's profiling and warm-up runs): plain sequences only, every slot
+        # real and position = index.
+        paged = step.plain_metadata(
+            self.block_size,
+            cm.query_start_loc[: num_reqs + 1],
+            cm.positions[:num_tokens],
+            cm.seq_lens[:num_reqs],
+            cm.block_table_tensor[:num_reqs],
+        )
         return MepicAttentionMetadata(num_tokens, paged)
 
 
@@ -122,11 +140,12 @@ class MepicAttentionImpl(AttentionImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Store K and V un-rotated (vLLM calls this for every layer before its attention)."""
         view = cache_view(kv_cache, self.num_kv_heads, self.head_size)
-        state = blend.current()
+        metadata = get_forward_context().attn_metadata
+        state = metadata[layer.layer_name].blend if isinstance(metadata, dict) else None
         if state is not None:  # CacheBlend: select at the check layer, subset after it
             index = self._layer(layer)
             if index == state.check_layer:
-                meta = get_forward_context().attn_metadata[layer.layer_name].paged
+                meta = metadata[layer.layer_name].paged
                 k = key[: state.num_rows].view(state.num_rows, self.num_kv_heads, self.head_size)
                 blend.select(state, k, view, slot_mapping, meta)
             elif state.active(index):
@@ -156,7 +175,7 @@ class MepicAttentionImpl(AttentionImpl):
         if attn_metadata is None:  # profiling run
             return output
         n, paged = attn_metadata.num_actual_tokens, attn_metadata.paged
-        state = blend.current()
+        state = attn_metadata.blend
         if state is not None and state.active(self._layer(layer)):
             n, paged = len(state.keep), state.metadata
         q = query[:n].view(n, self.num_heads, self.head_size)

@@ -22,13 +22,15 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from ascend_mepic.ops import PagedRopeMetadata
 
 
 @dataclass
 class BlendStep:
-    """One step's selection state (published by the runner, filled at the check layer)."""
+    """One step's selection state: built by the runner, carried on the attention metadata,
+    filled at the check layer."""
 
     check_layer: int
     num_rows: int
@@ -43,16 +45,15 @@ class BlendStep:
         return self.keep is not None and layer > self.check_layer
 
 
-_current: BlendStep | None = None
-
-
-def publish(state: BlendStep | None) -> None:
-    global _current
-    _current = state
-
-
 def current() -> BlendStep | None:
-    return _current
+    """This forward pass's selection state: it rides on MEPIC's attention metadata, which the
+    runner's builders produced for the step (no process globals)."""
+    if not is_forward_context_available():
+        return None
+    metadata = get_forward_context().attn_metadata
+    if not isinstance(metadata, dict) or not metadata:
+        return None
+    return getattr(next(iter(metadata.values())), "blend", None)
 
 
 _LAYER = re.compile(r"layers\.(\d+)\.")

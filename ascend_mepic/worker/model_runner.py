@@ -21,11 +21,19 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ascend_mepic.config import MepicConfig
-from ascend_mepic.core.segments import BLEND_KEY, LOADS_KEY, STORE_KEY, TIER_LOAD_KEY, TIER_PUT_KEY
+from ascend_mepic.core.plan import ChunkSave, HostLoad, StepPlan, TierLoad
 from ascend_mepic.tier import transfer as kv_transfer
 from ascend_mepic.tier.host_store import StoredChunk, host_store
 from ascend_mepic.tier.worker_io import WorkerTier
+from ascend_mepic.vllm_integration import channel
+from ascend_mepic.vllm_integration.channel import StepPlanError
+from ascend_mepic.vllm_integration.runner import (
+    STEP_NOT_PLACED,
+    check_block_table,
+    hand_step_tables,
+)
 from ascend_mepic.worker import blend, step
+from ascend_mepic.worker.step import StepInputs
 from ascend_mepic.worker.token_map import TokenMap
 
 
@@ -34,11 +42,12 @@ class MepicRunnerMixin:
 
     def _init_mepic(self, vllm_config) -> None:
         self.mepic_block_size = vllm_config.cache_config.block_size
-        self._token_maps: dict[str, TokenMap | None] = {}
-        self._saves: list[tuple[str, list[int], bool, int]] = []
+        self._token_maps: dict[str, TokenMap] = {}
         self._blend: dict[str, tuple[float, int]] = {}  # request -> (ratio, check layer)
+        self._plan: StepPlan | None = None
         self.mepic_blend_layer: int | None = None
         config = MepicConfig.from_additional_config(vllm_config.additional_config)
+        self.mepic_enabled = config.enabled
         policy = config.parsed_policy
         self._store = host_store(config.store_root(vllm_config)) if policy.loads_kv else None
         tier = config.tier_config
@@ -49,7 +58,6 @@ class MepicRunnerMixin:
             if tier.enabled
             else None
         )
-        self._tier_puts: list[tuple[str, list[int], int]] = []
         self._step_loaded = False  # this step's time includes tier loads (not a compute sample)
         if policy.dynamic:
             if not vllm_config.model_config.enforce_eager:
@@ -57,94 +65,109 @@ class MepicRunnerMixin:
             self.mepic_blend_layer = policy.check_layer
 
     def _update_states(self, scheduler_output):
-        loads: list[list] = []
-        tier_loads: list[tuple[str, list]] = []
+        """Take this step's plan: token maps of new sequences, then host and tier loads."""
         for req_id in scheduler_output.finished_req_ids:
             self._token_maps.pop(req_id, None)
             self._blend.pop(req_id, None)
-        for new in scheduler_output.scheduled_new_reqs:
-            extra = new.sampling_params.extra_args if new.sampling_params else None
-            self._token_maps[new.req_id] = TokenMap.from_extra_args(extra, self.mepic_block_size)
-            if extra and BLEND_KEY in extra:
-                self._blend[new.req_id] = tuple(extra[BLEND_KEY])
-            if extra and extra.get(LOADS_KEY):
-                loads.extend(extra[LOADS_KEY])
-            if extra and TIER_LOAD_KEY in extra:
-                tier_loads.append((new.req_id, extra[TIER_LOAD_KEY]))
-            if extra and TIER_PUT_KEY in extra:
-                chunk_id, num_blocks, num_tokens = extra[TIER_PUT_KEY]
-                self._tier_puts.append((chunk_id, list(new.block_ids[0])[-num_blocks:], num_tokens))
-            if extra and STORE_KEY in extra:
-                chunk_id, num_blocks, scores, num_tokens = extra[STORE_KEY]
-                table = list(new.block_ids[0])
-                self._saves.append((chunk_id, table[-num_blocks:], bool(scores), num_tokens))
+        plan = channel.receive(scheduler_output) if self.mepic_enabled else None
+        self._plan = plan
+        if plan is not None:
+            self._take_placements(plan, scheduler_output.scheduled_new_reqs)
         out = super()._update_states(scheduler_output)  # zeroes the step's new blocks
-        if loads:
-            self._load_chunks(loads)
-        if tier_loads:
-            self._load_from_tier(tier_loads)
+        if plan is not None and plan.host_loads:
+            self._load_chunks(plan.host_loads)
+        if plan is not None and plan.tier_loads:
+            self._load_from_tier(plan.tier_loads)
         return out
 
-    def _load_from_tier(self, tier_loads: list[tuple[str, list]]) -> None:
+    def _take_placements(self, plan: StepPlan, new_reqs) -> None:
+        by_id = {new.req_id: new for new in new_reqs}
+        unknown = sorted(set(plan.placements) - set(by_id))
+        if unknown:
+            raise StepPlanError(
+                f"step {plan.step}: the plan places sequences the step does not schedule: "
+                f"{unknown[:4]}"
+            )
+        for req_id, placement in plan.placements.items():
+            received = len(by_id[req_id].prompt_token_ids or ())
+            if received != placement.num_in_context:
+                raise StepPlanError(
+                    f"step {plan.step}: request {req_id} arrived with {received} prompt tokens "
+                    f"but its plan places {placement.num_in_context}"
+                )
+            self._token_maps[req_id] = TokenMap.from_placement(placement, self.mepic_block_size)
+            if placement.blend is not None:
+                self._blend[req_id] = placement.blend
+
+    def _load_from_tier(self, tier_loads: tuple[TierLoad, ...]) -> None:
         """Fill chunks' canonical blocks from the tier and report each verified outcome."""
-        assert self._tier is not None, "tier loads without a tier"
-        for io_id, (chunk_id, block_ids, num_tokens) in tier_loads:
-            result = self._tier.load(chunk_id, self.kv_caches, block_ids, num_tokens)
-            self._tier.dir.write_result(io_id, {chunk_id: result})
+        if self._tier is None:
+            raise StepPlanError("the step plan has tier loads but this worker has no tier")
+        for load in tier_loads:
+            result = self._tier.load(
+                load.chunk_id, self.kv_caches, list(load.block_ids), load.num_tokens
+            )
+            self._tier.dir.write_result(load.io_id, {load.chunk_id: result})
         self._tier.publish()
         self._step_loaded = True
 
-    def _load_chunks(self, loads: list[list]) -> None:
+    def _load_chunks(self, loads: tuple[HostLoad, ...]) -> None:
         """Fill request-private blocks from the host store (before the forward pass)."""
-        by_chunk: dict[str, list[tuple[int, int]]] = {}
-        for chunk_id, offset, block_id in loads:
-            by_chunk.setdefault(chunk_id, []).append((int(offset), int(block_id)))
-        assert self._store is not None, "chunk loads without a host store"
-        for chunk_id, pairs in by_chunk.items():
+        by_chunk: dict[str, list[HostLoad]] = {}
+        for load in loads:
+            by_chunk.setdefault(load.chunk_id, []).append(load)
+        if self._store is None:
+            raise StepPlanError("the step plan has host-store loads but this worker has no store")
+        for chunk_id, group in by_chunk.items():
             stored = self._store.get(chunk_id)
             if stored is None:
                 raise RuntimeError(f"chunk {chunk_id[:12]} is not in the host store")
             kv_transfer.load_blocks(
-                self.kv_caches, stored.kv, [o for o, _ in pairs], [b for _, b in pairs]
+                self.kv_caches, stored.kv, [x.offset for x in group], [x.block_id for x in group]
             )
-            self._store.record_load(stored, len(pairs) / stored.kv.shape[1])
+            self._store.record_load(stored, len(group) / stored.kv.shape[1])
 
-    def _save_compiles(self) -> None:
+    def _save_compiles(self, saves: tuple[ChunkSave, ...]) -> None:
         """Keep this step's host-store compiles (right after the forward pass wrote them)."""
-        saves, self._saves = self._saves, []
-        assert self._store is not None, "chunk stores without a host store"
-        for chunk_id, block_ids, want_scores, num_tokens in saves:
-            kv = kv_transfer.save_blocks(self.kv_caches, block_ids)
+        if self._store is None:
+            raise StepPlanError("the step plan has host-store saves but this worker has no store")
+        for save in saves:
+            kv = kv_transfer.save_blocks(self.kv_caches, list(save.block_ids))
             scores = None
-            if want_scores:
+            if save.with_scores:
                 scores = kv_transfer.lowfreq_scores(
                     kv,
-                    num_tokens,
+                    save.num_tokens,
                     self.model_config.get_num_kv_heads(self.parallel_config),
                     self.model_config.get_head_size(),
                 )
-            self._store.put(chunk_id, StoredChunk(kv, num_tokens, scores))
+            self._store.put(save.chunk_id, StoredChunk(kv, save.num_tokens, scores))
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         start = time.perf_counter()
-        out = super().execute_model(scheduler_output, *args, **kwargs)
-        if self._saves:
-            self._save_compiles()
+        hand_step_tables(self, STEP_NOT_PLACED)
+        try:
+            out = super().execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            hand_step_tables(self, None)  # outside a step, builders see no MEPIC tables
+        plan, self._plan = self._plan, None
+        if plan is not None and plan.host_saves:
+            self._save_compiles(plan.host_saves)
         if self._tier is not None:
             tokens = scheduler_output.total_num_scheduled_tokens
             if tokens >= self.mepic_block_size and not self._step_loaded:
                 self._tier.note_compute(time.perf_counter() - start, tokens)  # prefill-sized
             self._step_loaded = False
-            if self._tier_puts:
-                self._offload_to_tier()
+            if plan is not None and plan.tier_puts:
+                self._offload_to_tier(plan.tier_puts)
         return out
 
-    def _offload_to_tier(self) -> None:
+    def _offload_to_tier(self, puts: tuple[ChunkSave, ...]) -> None:
         """Write-through: this step's compiled chunks go to the tier right after the forward."""
-        puts, self._tier_puts = self._tier_puts, []
         assert self._tier is not None
-        for chunk_id, block_ids, num_tokens in puts:
-            self._tier.put(chunk_id, kv_transfer.save_blocks(self.kv_caches, block_ids), num_tokens)
+        for put in puts:
+            kv = kv_transfer.save_blocks(self.kv_caches, list(put.block_ids))
+            self._tier.put(put.chunk_id, kv, put.num_tokens)
         self._tier.publish()
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens_np):
@@ -159,6 +182,7 @@ class MepicRunnerMixin:
         index = self.positions[:num_tokens].cpu().numpy().astype(np.int64)
         positions, padded = index.copy(), index.copy()
         table = self.input_batch.block_table[0]
+        check_block_table(table, bs)
         blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         placed = False
         blending: list[tuple[int, int, torch.Tensor, float]] = []
@@ -186,10 +210,11 @@ class MepicRunnerMixin:
             table.slot_mapping.gpu[a:b] = slots.to(table.slot_mapping.gpu.device)
         if placed:
             self.positions[:num_tokens] = torch.from_numpy(positions).to(self.positions.device)
-        step.publish(step.build_tables(num_tokens, positions, padded, blocks, self.device))
-        blend.publish(
+        tables = step.build_tables(num_tokens, positions, padded, blocks, self.device)
+        blend_step = (
             blend.BlendStep(self.mepic_blend_layer, num_tokens, blending) if blending else None
         )
+        hand_step_tables(self, StepInputs(tables, blend_step))
 
     def load_model(self, *args, **kwargs):
         out = super().load_model(*args, **kwargs)

@@ -1,21 +1,22 @@
-"""Per-step position tables, handed from the model runner to the attention metadata builder.
+"""Per-step position tables, handed from the model runner to its attention metadata builders.
 
 vLLM's builders see only ``CommonAttentionMetadata``, which has no request identities, while a
 MEPIC request's tokens need their padded indices and each request's per-block position table.
-The runner computes those right after preparing the step's inputs and publishes them here; the
-builder of the same step reads them (one runner per worker process, one step at a time).
+The runner computes those right after preparing the step's inputs and hands them to its own
+builders (``vllm_integration.runner.hand_step_tables``); a builder checks they describe the
+batch it is building for and refuses the step otherwise.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from ascend_mepic.ops import PagedRopeMetadata
-
-_current: StepTables | None = None
+from ascend_mepic.vllm_integration.channel import StepPlanError
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,13 @@ class StepTables:
     valid_start: torch.Tensor
     valid_end: torch.Tensor
 
-    def matches(self, num_reqs: int, num_tokens: int) -> bool:
-        return self.num_reqs == num_reqs and self.num_tokens == num_tokens
+    def check_matches(self, num_reqs: int, num_tokens: int) -> None:
+        if self.num_reqs != num_reqs or self.num_tokens != num_tokens:
+            raise StepPlanError(
+                f"MEPIC's step tables describe {self.num_reqs} sequences / {self.num_tokens} "
+                f"tokens but the attention batch has {num_reqs} / {num_tokens}; refusing to "
+                "build attention metadata that would not match the batch"
+            )
 
     def to_metadata(
         self, block_size: int, query_start_loc: torch.Tensor, block_table: torch.Tensor
@@ -52,13 +58,12 @@ class StepTables:
         )
 
 
-def publish(tables: StepTables | None) -> None:
-    global _current
-    _current = tables
+@dataclass(frozen=True)
+class StepInputs:
+    """What the runner hands its MEPIC builders for one step."""
 
-
-def current() -> StepTables | None:
-    return _current
+    tables: StepTables
+    blend: Any = None  # worker.blend.BlendStep of a CacheBlend step
 
 
 def plain_metadata(

@@ -1,8 +1,9 @@
 """Where each of a request's computed tokens sits: its padded-layout index and logical position.
 
 The scheduler hands the worker a MEPIC request as its *in-context* tokens only (prompt blocks and
-each chunk's first block, in layout order) plus ``extra_args["mepic_segments"]``; a chunk compile
-arrives as the chunk's tokens plus ``extra_args["mepic_compile"]``. vLLM's runner numbers a
+each chunk's first block, in layout order) and, in the step's ``StepPlan``, the request's
+``SequencePlacement`` (segment lengths); a chunk compile arrives as the chunk's tokens with a
+compile placement. vLLM's runner numbers a
 request's tokens 0, 1, 2, ... ; a ``TokenMap`` turns those numbers into padded indices (the KV
 slot and causal order) and logical positions (RoPE), and gives the per-block position table.
 Decode tokens continue after the padded prompt. Plain requests need no map (index = position).
@@ -11,19 +12,12 @@ Decode tokens continue after the padded prompt. Plain requests need no map (inde
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from ascend_mepic.core.segments import (
-    COMPILE_KEY,
-    EXTRA_ARGS_KEY,
-    FRESH_SLOTS_KEY,
-    IN_CONTEXT_KEY,
-    BlockKind,
-    SegmentKind,
-    layout_from_lengths,
-)
+from ascend_mepic.core.plan import SequencePlacement
+from ascend_mepic.core.segments import BlockKind, layout_from_lengths
+from ascend_mepic.vllm_integration.channel import StepPlanError
 
 
 @dataclass(frozen=True)
@@ -39,21 +33,21 @@ class TokenMap:
     chunk_block: np.ndarray  # [layout blocks] True for a chunk's block
 
     @classmethod
-    def from_extra_args(cls, extra: dict[str, Any] | None, block_size: int) -> TokenMap | None:
-        if not extra:
-            return None
-        if COMPILE_KEY in extra:
-            lengths = extra[COMPILE_KEY]
-            if isinstance(lengths, int):
-                lengths = [[SegmentKind.CHUNK.value, lengths]]
+    def from_placement(cls, placement: SequencePlacement, block_size: int) -> TokenMap:
+        lengths = [list(pair) for pair in placement.segment_lengths]
+        if placement.compile:
             layout = layout_from_lengths(lengths, block_size, allow_trailing_chunk=True)
             slots = layout.real_slots()
-        elif extra.get(IN_CONTEXT_KEY) and EXTRA_ARGS_KEY in extra:
-            layout = layout_from_lengths(extra[EXTRA_ARGS_KEY], block_size)
-            fresh = extra.get(FRESH_SLOTS_KEY)
-            slots = list(fresh) if fresh is not None else layout.in_context_slots()
         else:
-            return None
+            layout = layout_from_lengths(lengths, block_size)
+            fresh = placement.fresh_slots
+            slots = list(fresh) if fresh is not None else layout.in_context_slots()
+        if len(slots) != placement.num_in_context:
+            raise StepPlanError(
+                f"the step plan places {placement.num_in_context} in-context tokens but its "
+                f"layout at block size {block_size} has {len(slots)}: scheduler and worker "
+                "disagree on the block size or the layout"
+            )
         positions = np.asarray(layout.slot_positions(), dtype=np.int64)
         padded = np.asarray(slots, dtype=np.int64)
         valid_end = np.asarray([b.valid_end for b in layout.blocks], dtype=np.int64)

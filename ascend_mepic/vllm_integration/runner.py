@@ -1,0 +1,65 @@
+"""The vLLM model-runner internals MEPIC's runner touches (vLLM 0.30.0), each with why.
+
+MEPIC's runners subclass vLLM's (``--worker-cls`` installs them). After vLLM prepares a step's
+inputs, ``MepicRunnerMixin._place_tokens`` rewrites, for MEPIC sequences only, the positions
+(``runner.positions``) and the KV slot mapping (``input_batch.block_table[0].slot_mapping``),
+reading ``query_start_loc`` and the block table: vLLM derives both from token indices, and a
+MEPIC sequence's tokens sit at padded indices with logical positions. The overridden methods are
+``_update_states`` (take the step plan), ``_prepare_inputs`` (place tokens), ``execute_model``
+(saves after the forward) and ``load_model`` (CacheBlend's layer gates); their 0.30.0 signatures
+are the ones used here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ascend_mepic.vllm_integration.channel import StepPlanError
+
+# Handed to the builders at the start of a real step, replaced by the step's tables once the
+# runner placed its tokens; a builder that still sees it refuses to build.
+STEP_NOT_PLACED = object()
+
+
+def mepic_builders(runner: Any) -> list[Any]:
+    """The runner's attention metadata builders that are MEPIC's.
+
+    Why: vLLM's builders see only ``CommonAttentionMetadata`` (no request identities); the
+    per-step position tables reach them from the runner that owns them (``runner.attn_groups``,
+    vLLM 0.30.0), not through process globals.
+    """
+    found = []
+    for groups in getattr(runner, "attn_groups", ()):
+        for group in groups:
+            for builder in group.metadata_builders:
+                if hasattr(builder, "set_step_inputs"):
+                    found.append(builder)
+    return found
+
+
+def hand_step_tables(runner: Any, inputs: Any) -> None:
+    """Give ``inputs`` (a ``worker.step.StepInputs``, ``STEP_NOT_PLACED`` or None) to every
+    MEPIC builder of ``runner``."""
+    builders = mepic_builders(runner)
+    if inputs is not None and inputs is not STEP_NOT_PLACED and not builders:
+        raise StepPlanError(
+            "MEPIC placed a step but the model has no MEPIC attention layers: the attention "
+            "backend was not registered before the model was built"
+        )
+    for builder in builders:
+        builder.set_step_inputs(inputs)
+
+
+def check_block_table(table: Any, block_size: int) -> None:
+    """MEPIC addresses KV by manager block; refuse vLLM 0.30.0's kernel-block split.
+
+    Why: if the attention backend's kernel block size differs from the KV manager's, vLLM
+    0.30.0's ``BlockTable`` stores kernel block ids (``blocks_per_kv_block`` > 1) and MEPIC's
+    slot arithmetic would address the wrong slots.
+    """
+    split = getattr(table, "blocks_per_kv_block", 1)
+    if split != 1 or getattr(table, "block_size", block_size) != block_size:
+        raise StepPlanError(
+            f"vLLM split the KV block size {block_size} into kernel blocks ({split} per block); "
+            "MEPIC needs the attention backend to accept the KV block size itself"
+        )
