@@ -5,8 +5,8 @@ backends, custom ops) never leaks between configurations.
 
 Job: {"model", "mepic": bool, "policy": str|null, "block_size", "max_model_len", "batches":
 [[{"segments": [[kind, [ids...]], ...], "salt": str|null}, ...], ...], "max_tokens",
-"logprobs", "options" (MEPIC options), "reset_between_batches"}. Each batch is one
-``generate`` call, run in order on the same engine.
+"logprobs", "options" (MEPIC options), "reset_between_batches", "tensor_parallel_size"}.
+Each batch is one ``generate`` call, run in order on the same engine.
 """
 
 import json
@@ -32,6 +32,7 @@ def main() -> None:
         max_model_len=job.get("max_model_len", 1024),
         block_size=job.get("block_size", 32),
         seed=0,
+        tensor_parallel_size=job.get("tensor_parallel_size", 1),
         **kwargs,
     )
     params = SamplingParams(

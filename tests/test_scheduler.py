@@ -162,3 +162,26 @@ def test_admission_respects_the_compile_reserve(tiny_model):
         sched.add_request(mepic_request(f"r{i}", [Segment.prompt([1, 2, 3 + i])], hasher))
     out = sched.schedule()
     assert len(sched.running) == 6 and len(out.scheduled_new_reqs) == 6
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2), "pipeline"),
+        (lambda c: setattr(c.scheduler_config, "async_scheduling", True), "async scheduling"),
+        (lambda c: setattr(c, "speculative_config", object()), "speculative decoding"),
+        (lambda c: setattr(c, "lora_config", object()), "LoRA"),
+        (lambda c: setattr(c.parallel_config, "tensor_parallel_size", 2), "host store"),
+    ],
+)
+def test_unsupported_engine_features_fail_at_start(tiny_model, change, message):
+    from ascend_mepic.core.engine_support import UnsupportedEngineFeature, check_engine_supported
+    from ascend_mepic.core.policies import parse_policy
+
+    sched, _ = make_scheduler(tiny_model, {"mepic": {}})
+    config = sched.vllm_config
+    policy = parse_policy("epic-16")  # a loading policy: refused with TP > 1
+    check_engine_supported(config, policy, tier_enabled=False)
+    change(config)
+    with pytest.raises(UnsupportedEngineFeature, match=message):
+        check_engine_supported(config, policy, tier_enabled=False)

@@ -324,7 +324,11 @@ def test_chunk_api_round_trip(client):
     stats = fresh_stats(client)
     assert chunk_blocks(stats, "ref-1")[0][1:] == chunk_blocks(stats, "ref-2")[0][1:]
 
-    assert client.delete(f"/v1/chunks/{chunk['id']}").status_code == 200
+    # Registered twice (two holders): the first delete keeps it, the last one removes it.
+    first = client.delete(f"/v1/chunks/{chunk['id']}").json()
+    assert first["removed"] is False and first["holders"] == 1
+    assert complete(client, f"Context: {ref} Still here?").status_code == 200
+    assert client.delete(f"/v1/chunks/{chunk['id']}").json()["removed"] is True
     assert chunk["id"] not in [c["id"] for c in client.get("/v1/chunks").json()["data"]]
     assert client.delete(f"/v1/chunks/{chunk['id']}").status_code == 404
     assert complete(client, f"Context: {ref} What now?").status_code == 400

@@ -66,17 +66,21 @@ def requests():
     return a, b
 
 
-@pytest.fixture(scope="module")
-def mepic_run(model, requests):
+def mepic_job(model, requests, tensor_parallel_size: int = 1) -> dict:
     a, b = requests
-    job = {
+    return {
         "model": model,
         "mepic": True,
         "block_size": B,
         "max_tokens": 8,
         "batches": [[encode(a), encode(b)], [encode(a)], [encode(b)]],
+        "tensor_parallel_size": tensor_parallel_size,
     }
-    return run_engine(job)
+
+
+@pytest.fixture(scope="module")
+def mepic_run(model, requests):
+    return run_engine(mepic_job(model, requests))
 
 
 def test_full_policy_reproduces_stock_vllm(model, requests):
@@ -122,3 +126,17 @@ def test_next_token_logits_match_independent_oracle(model, requests, mepic_run):
             assert abs(want[int(tok)].item() - lp) < 1e-4, (tok, want[int(tok)].item(), lp)
         # The oracle distinguishes MEPIC from full recompute, so the check above can fail.
         assert (want - full).abs().max().item() > 1e-4
+
+
+def test_tensor_parallel_2_equals_1_with_mepic_on(model, requests, mepic_run):
+    """TP=2 (two CPU workers, gloo all-reduce) gives TP=1's tokens and log-probabilities."""
+    tp2 = run_engine(
+        mepic_job(model, requests, tensor_parallel_size=2), VLLM_CPU_OMP_THREADS_BIND="nobind"
+    )
+    assert tp2["metrics"]["chunk_hits"] == mepic_run["metrics"]["chunk_hits"]
+    for one, two in zip(mepic_run["batches"], tp2["batches"], strict=True):
+        for o1, o2 in zip(one, two, strict=True):
+            assert o1["tokens"] == o2["tokens"]
+            for l1, l2 in zip(o1["logprobs"], o2["logprobs"], strict=True):
+                for tok in l1.keys() & l2.keys():
+                    assert abs(l1[tok] - l2[tok]) < 1e-4

@@ -26,6 +26,7 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
 from ascend_mepic.config import MepicConfig
+from ascend_mepic.core.engine_support import check_engine_supported
 from ascend_mepic.core.identity import ChunkId, model_fingerprint, weights_digest
 from ascend_mepic.core.kv_manager import MepicKVCacheManager
 from ascend_mepic.core.plan import ChunkSave, SequencePlacement, StepPlan
@@ -55,8 +56,11 @@ class MepicScheduler(Scheduler):
         self._stats_written_at = 0.0
         if not self.mepic_config.enabled:
             return
-        if self.connector is not None:
-            raise ValueError("MEPIC does not support KV connectors yet; drop --kv-transfer-config")
+        check_engine_supported(
+            self.vllm_config,
+            self.mepic_config.parsed_policy,
+            self.mepic_config.tier_config.enabled,
+        )
         old = self.kv_cache_manager
         model = self.vllm_config.model_config
         manager = MepicKVCacheManager(

@@ -21,6 +21,7 @@ default Prometheus registry (a single API server).
 
 import asyncio
 import atexit
+import contextlib
 import hashlib
 import inspect
 import json
@@ -31,7 +32,15 @@ import shutil
 import tempfile
 import time
 from argparse import Namespace
-from collections.abc import AsyncGenerator, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+    MutableMapping,
+    Sequence,
+)
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -159,6 +168,85 @@ def chunk_ref_id(token_ids: Sequence[int], cache_salt: str | None) -> str:
 def chunk_ref(chunk_id: str) -> str:
     """The text that stands for a registered chunk inside a prompt."""
     return f"{CHUNK_REF_OPEN}{chunk_id}{CHUNK_REF_CLOSE}"
+
+
+class ChunkRegistry:
+    """Registered chunks by id, each with a count of its registrations (holders).
+
+    A chunk's id comes from its content, so clients registering the same document share one
+    entry: every registration adds a holder and every delete drops one; the entry leaves the
+    registry (and the engine unpins the chunk) only when the last holder deletes it. Register and
+    release of one id are serialized by a per-id lock held across the engine's pin/unpin call, so
+    the engine's pin state always matches the registry; other ids are not held up.
+    """
+
+    def __init__(self) -> None:
+        self._chunks: dict[str, RegisteredChunk] = {}
+        self._holders: dict[str, int] = {}
+        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}  # lock, [users]
+
+    def get(self, chunk_id: str) -> RegisteredChunk | None:
+        return self._chunks.get(chunk_id)
+
+    def values(self) -> list[RegisteredChunk]:
+        return list(self._chunks.values())
+
+    def holders(self, chunk_id: str) -> int:
+        return self._holders.get(chunk_id, 0)
+
+    def __contains__(self, chunk_id: object) -> bool:
+        return chunk_id in self._chunks
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, chunk_id: str) -> AsyncIterator[None]:
+        lock, users = self._locks.setdefault(chunk_id, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._locks[chunk_id]
+
+    async def register(
+        self, chunk: RegisteredChunk, pin: Callable[[RegisteredChunk], Awaitable[None]]
+    ) -> tuple[RegisteredChunk, int]:
+        """Add a holder of ``chunk``, pinning it first when it has none; (entry, holders).
+
+        Only the first holder pins (the chunk stays pinned while held); if pinning fails
+        nothing is registered.
+        """
+        async with self._locked(chunk.id):
+            current = self._chunks.get(chunk.id)
+            if current is None:
+                await pin(chunk)
+                current = self._chunks[chunk.id] = chunk
+            self._holders[chunk.id] = self._holders.get(chunk.id, 0) + 1
+            return current, self._holders[chunk.id]
+
+    async def release(
+        self, chunk_id: str, unpin: Callable[[RegisteredChunk], Awaitable[None]]
+    ) -> tuple[RegisteredChunk, int] | None:
+        """Drop a holder of ``chunk_id``; (entry, holders left), or None if it is not registered.
+
+        The last holder's release unpins the chunk and only then removes it: if unpinning fails
+        the chunk stays registered with its holder, so the delete can be retried.
+        """
+        async with self._locked(chunk_id):
+            chunk = self._chunks.get(chunk_id)
+            if chunk is None:
+                return None
+            left = self._holders[chunk_id] - 1
+            if left == 0:
+                await unpin(chunk)
+                del self._chunks[chunk_id], self._holders[chunk_id]
+            else:
+                self._holders[chunk_id] = left
+            return chunk, left
 
 
 def has_markup(text: str, markers: Markers) -> bool:
@@ -410,7 +498,7 @@ class MepicService:
         self.chat_template = load_chat_template(args.chat_template)
         self.trust_request_chat_template = bool(args.trust_request_chat_template)
         self.sse_keep_alive = float(getattr(args, "sse_keep_alive_interval", 0) or 0)
-        self.registry: dict[str, RegisteredChunk] = {}
+        self.registry = ChunkRegistry()
         # One thread: template rendering and tokenizing stay off the event loop, and the
         # tokenizer is never used by two threads at once.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mepic-tokenize")
@@ -626,6 +714,7 @@ class MepicService:
             raise MepicRequestError(result.error.message, HTTPStatus(result.error.code))
 
     async def register_chunk(self, body: "ChunkCreate") -> RegisteredChunk:
+        """Add a registration (holder) of the chunk, computing and pinning it on the first."""
         if body.token_ids is not None:
             ids = list(body.token_ids)
         else:
@@ -643,15 +732,19 @@ class MepicService:
         chunk = RegisteredChunk(
             chunk_ref_id(ids, body.cache_salt), tuple(ids), body.cache_salt, time.time()
         )
-        await self._control(ids, body.cache_salt, PIN_KEY)
-        self.registry.setdefault(chunk.id, chunk)
-        return self.registry[chunk.id]
+        registered, _ = await self.registry.register(
+            chunk, lambda c: self._control(c.token_ids, c.cache_salt, PIN_KEY)
+        )
+        return registered
 
-    async def delete_chunk(self, chunk_id: str) -> None:
-        chunk = self.registry.pop(chunk_id, None)
-        if chunk is None:
+    async def delete_chunk(self, chunk_id: str) -> int:
+        """Drop a registration of the chunk; returns the holders left (0: unpinned, removed)."""
+        released = await self.registry.release(
+            chunk_id, lambda c: self._control(c.token_ids, c.cache_salt, UNPIN_KEY)
+        )
+        if released is None:
             raise MepicRequestError(f"unknown chunk id {chunk_id!r}", HTTPStatus.NOT_FOUND)
-        await self._control(chunk.token_ids, chunk.cache_salt, UNPIN_KEY)
+        return released[1]
 
     def chunk_json(self, chunk: RegisteredChunk) -> dict[str, Any]:
         blocks = -(-len(chunk.token_ids) // self.block_size)
@@ -665,6 +758,7 @@ class MepicService:
             "num_shared_blocks": max(0, blocks - 1),
             "salted": chunk.cache_salt is not None,
             "ref": chunk_ref(chunk.id),
+            "holders": self.registry.holders(chunk.id),  # registrations not yet deleted
         }
 
 
@@ -867,7 +961,11 @@ class ChunkCreate(BaseModel):
 
 @router.post("/v1/chunks", dependencies=[Depends(validate_json_request)])
 async def mepic_create_chunk(body: ChunkCreate, raw_request: Request) -> Response:
-    """Compute a chunk's KV once and pin it, so it survives until deleted."""
+    """Compute a chunk's KV once and pin it, so it survives until deleted.
+
+    The same chunk registered again (by any client) adds a holder: ``holders`` in the response
+    counts them, and the chunk stays until as many deletes have come.
+    """
     service = _service(raw_request)
     try:
         chunk = await service.register_chunk(body)
@@ -885,12 +983,25 @@ async def mepic_list_chunks(raw_request: Request) -> Response:
 
 @router.delete("/v1/chunks/{chunk_id}")
 async def mepic_delete_chunk(chunk_id: str, raw_request: Request) -> Response:
-    """Unpin a registered chunk; it stays cached as an ordinary idle chunk until evicted."""
+    """Drop one registration of a chunk; the last one unpins it and removes it from the registry.
+
+    An unpinned chunk stays cached as an ordinary idle chunk until evicted. ``deleted`` says this
+    registration is gone, ``removed`` whether the chunk left the registry, ``holders`` how many
+    registrations remain.
+    """
     try:
-        await _service(raw_request).delete_chunk(chunk_id)
+        left = await _service(raw_request).delete_chunk(chunk_id)
     except _CLIENT_ERRORS as e:
         return _client_error(e)
-    return JSONResponse(content={"id": chunk_id, "object": "mepic.chunk", "deleted": True})
+    return JSONResponse(
+        content={
+            "id": chunk_id,
+            "object": "mepic.chunk",
+            "deleted": True,
+            "removed": left == 0,
+            "holders": left,
+        }
+    )
 
 
 @router.get("/v1/mepic/stats")

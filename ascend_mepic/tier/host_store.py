@@ -12,14 +12,23 @@ and scores) then ``<chunk id>.pt`` (the KV), each written to a temporary name an
 ``.pt`` file appearing is the commit. Each process keeps what it read in memory. The directory is
 per engine instance and removed when the engine process exits. The LMCache tier is meant to
 implement the same calls.
+
+Nothing is left behind: the owning process removes the directory at exit (``atexit``, and the
+multiprocessing finalizers for a forked child such as vLLM's engine core, which ends in
+``os._exit``), and on SIGTERM/SIGINT/SIGHUP that would kill it outright; it records its pid in the
+directory, so a directory whose owner was killed (SIGKILL) is removed by the next owner to start
+beside it.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import multiprocessing.util
 import os
 import shutil
+import signal
+import socket
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -116,21 +125,160 @@ def default_root(instance_id: str) -> Path:
 
 
 _STORES: dict[Path, HostChunkStore] = {}
-_OWNED: set[Path] = set()
+_OWNED: dict[Path, int] = {}  # owned store directory -> the owning process's pid
+OWNER_MARKER = ".ascend_mepic-owner"  # in an owned directory: who owns it (JSON)
+_EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+_PREV_HANDLERS: dict[int, Any] = {}
+_cleanup_pid: int | None = None  # the process whose exit hooks are registered
 
 
 def host_store(root: str | Path, owner: bool = False) -> HostChunkStore:
     """The store at ``root`` (one object per process); ``owner`` removes it at process exit.
 
     Ownership is registered even when the store object already exists: with an in-process
-    engine the worker (non-owner) opens it before the scheduler (owner) does.
+    engine the worker (non-owner) opens it before the scheduler (owner) does. Claiming ownership
+    first removes stale store directories beside ``root`` (owners that are gone).
     """
     path = Path(root)
+    if owner and _OWNED.get(path) != os.getpid():
+        sweep_stale_stores(path.parent)
+        path.mkdir(parents=True, exist_ok=True)
+        _write_owner_marker(path)
+        _OWNED[path] = os.getpid()
+        _install_cleanup()
     store = _STORES.get(path)
     if store is None:
         path.mkdir(parents=True, exist_ok=True)
         store = _STORES[path] = HostChunkStore(path)
-    if owner and path not in _OWNED:
-        _OWNED.add(path)
-        atexit.register(shutil.rmtree, path, True)
     return store
+
+
+def _remove_owned() -> None:
+    """Remove the store directories this process owns (not those a forked parent owns)."""
+    pid = os.getpid()
+    for path, owner_pid in list(_OWNED.items()):
+        if owner_pid == pid:
+            shutil.rmtree(path, ignore_errors=True)
+            _OWNED.pop(path, None)
+
+
+def _install_cleanup() -> None:
+    global _cleanup_pid
+    if _cleanup_pid != os.getpid():
+        _cleanup_pid = os.getpid()
+        atexit.register(_remove_owned)
+        # A forked multiprocessing child ends in os._exit: atexit does not run, these do.
+        multiprocessing.util.Finalize(None, _remove_owned, exitpriority=0)
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set there; the exit hooks above still run
+    for name in _EXIT_SIGNALS:
+        signum = getattr(signal, name, None)
+        if signum is None:
+            continue
+        try:
+            current = signal.getsignal(signum)
+            # Ignored stays ignored (and inherited by children); None: set outside Python.
+            if current is _on_exit_signal or current is None or current == signal.SIG_IGN:
+                continue
+            signal.signal(signum, _on_exit_signal)
+        except (ValueError, OSError):
+            continue
+        _PREV_HANDLERS[signum] = current
+
+
+def _on_exit_signal(signum: int, frame: Any) -> None:
+    """Chain to the handler this one replaced; where that is the default, clean up first.
+
+    A Python handler raises (KeyboardInterrupt, SystemExit) or asks for a graceful stop, and
+    the exit that follows runs the exit hooks, while a process that goes on keeps its store. The
+    default action kills the process without them, so the store is removed here, then the
+    signal is sent again with the default action restored.
+    """
+    prev = _PREV_HANDLERS.get(signum, signal.SIG_DFL)
+    if callable(prev):
+        prev(signum, frame)
+        return
+    _remove_owned()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _process_state(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of a live process, from /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return fields[0], int(fields[19])
+
+
+def _owner_record(pid: int) -> dict[str, Any]:
+    state = _process_state(pid)
+    return {
+        "pid": pid,
+        "start": state[1] if state else None,
+        "host": socket.gethostname(),
+        "pid_ns": _pid_namespace(),
+    }
+
+
+def _write_owner_marker(path: Path) -> None:
+    record = json.dumps(_owner_record(os.getpid())).encode()
+    _atomic_write(path / OWNER_MARKER, lambda f: f.write(record))
+
+
+def _owner_alive(record: Any) -> bool:
+    """Whether a marker's owner may still run; True whenever that cannot be told for sure."""
+    if not isinstance(record, dict):
+        return True
+    pid = record.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return True
+    # Another host or PID namespace (a container sharing /dev/shm): its pids are not ours.
+    if record.get("host") != socket.gethostname() or record.get("pid_ns") != _pid_namespace():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # e.g. another user's process: alive
+    state = _process_state(pid)
+    if state is None:
+        return True
+    if state[0] == "Z":
+        return False  # killed, not yet reaped
+    start = record.get("start")
+    return start is None or start == state[1]  # another start time: the pid was reused
+
+
+def sweep_stale_stores(parent: str | Path) -> list[Path]:
+    """Remove this user's store directories under ``parent`` whose owner process is gone.
+
+    Only directories with an owner marker count (a store nobody claimed is left alone), so a
+    shared parent such as /dev/shm is safe to sweep. Returns the directories removed.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(Path(parent).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            if entry.is_symlink() or not entry.is_dir() or entry.stat().st_uid != os.getuid():
+                continue
+            record = json.loads((entry / OWNER_MARKER).read_text())
+        except (OSError, ValueError):
+            continue
+        if not _owner_alive(record):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed

@@ -1,0 +1,73 @@
+"""Which engine features MEPIC runs with, checked when its scheduler starts.
+
+A feature MEPIC has not been built or tested for fails the engine's start with a message, never
+silently: each would either compute wrong attention or share KV that must not be shared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ascend_mepic.core.policies import Policy
+
+
+class UnsupportedEngineFeature(ValueError):
+    """An engine setting MEPIC cannot run with."""
+
+
+def unsupported_features(vllm_config: Any, policy: Policy, tier_enabled: bool) -> list[str]:
+    """Reasons MEPIC cannot run with this engine configuration (empty when it can)."""
+    parallel = vllm_config.parallel_config
+    reasons: list[str] = []
+    if parallel.pipeline_parallel_size > 1:
+        reasons.append(
+            "pipeline parallelism (--pipeline-parallel-size > 1): the compile pseudo-sequences "
+            "and per-layer KV writes are untested across pipeline stages"
+        )
+    if getattr(parallel, "data_parallel_size", 1) > 1:
+        reasons.append("data parallelism (--data-parallel-size > 1): untested with MEPIC")
+    if getattr(parallel, "decode_context_parallel_size", 1) > 1:
+        reasons.append(
+            "decode context parallelism: MEPIC's block tables address whole blocks per rank"
+        )
+    if vllm_config.speculative_config is not None:
+        reasons.append(
+            "speculative decoding: draft tokens would be placed without MEPIC's token map"
+        )
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        reasons.append(
+            "async scheduling: the step plan must describe the step the worker runs next"
+        )
+    if vllm_config.lora_config is not None:
+        reasons.append(
+            "LoRA: chunk identity does not include the adapter, so two adapters would share "
+            "chunk KV"
+        )
+    if vllm_config.kv_transfer_config is not None:
+        reasons.append(
+            "KV connectors (--kv-transfer-config): MEPIC's step plan uses the connector "
+            "metadata slot; use MEPIC's own LMCache tier (additional_config mepic.tier)"
+        )
+    if not vllm_config.cache_config.enable_prefix_caching:
+        reasons.append("disabled prefix caching: MEPIC keeps private blocks in vLLM's prefix cache")
+    tp = parallel.tensor_parallel_size
+    if tp > 1 and policy.loads_kv:
+        reasons.append(
+            f"policy {policy.name!r} with tensor parallelism ({tp}): its host store keeps one "
+            "rank's KV per chunk"
+        )
+    if tp > 1 and tier_enabled:
+        reasons.append(
+            f"the LMCache tier with tensor parallelism ({tp}): tier entries hold one rank's KV "
+            "per chunk"
+        )
+    return reasons
+
+
+def check_engine_supported(vllm_config: Any, policy: Policy, tier_enabled: bool) -> None:
+    reasons = unsupported_features(vllm_config, policy, tier_enabled)
+    if reasons:
+        raise UnsupportedEngineFeature(
+            "MEPIC cannot run with: " + "; ".join(reasons) + ". Turn MEPIC off (drop 'mepic' "
+            "from --additional-config) or remove these settings."
+        )
