@@ -10,7 +10,10 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["ascend_mepic", "ascend_mepic.*", "cuda_fallback", "cuda_fallback.*"]),
+    # cuda_fallback (the Triton kernels) ships beside ascend_mepic: the CUDA path imports it.
+    packages=find_packages(
+        include=["ascend_mepic", "ascend_mepic.*", "cuda_fallback", "cuda_fallback.*"]
+    ),
     install_requires=[
         "tokenizers",
         "transformers",

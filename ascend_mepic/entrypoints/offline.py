@@ -1,7 +1,7 @@
 """Offline use: run segmented requests through ``vllm.LLM`` with MEPIC on.
 
     from vllm import LLM, SamplingParams
-    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs, generate_segments
+    from ascend_mepic.offline import Segment, generate_segments, mepic_llm_kwargs
 
     llm = LLM(model=path, **mepic_llm_kwargs())
     outs = generate_segments(llm, [[Segment.prompt(q0), Segment.chunk(doc), Segment.prompt(q1)]],
@@ -25,7 +25,13 @@ CPU_WORKER_CLS = "ascend_mepic.worker.cpu_worker.MepicCPUWorker"
 GPU_WORKER_CLS = "ascend_mepic.worker.gpu_worker.MepicGPUWorker"
 
 
-__all__ = ["generate_segments", "mepic_llm_kwargs", "segment_request", "worker_cls_for_platform"]
+__all__ = [
+    "Segment",
+    "generate_segments",
+    "mepic_llm_kwargs",
+    "segment_request",
+    "worker_cls_for_platform",
+]
 
 
 def worker_cls_for_platform() -> str:
