@@ -1,0 +1,121 @@
+"""``ascend-mepic serve``: vLLM's OpenAI server started with MEPIC's plugins allowed and MEPIC's
+server defaults (scheduler, worker, prefix caching, stats file) filled in.
+"""
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import tempfile
+from argparse import Namespace
+from collections.abc import MutableMapping, Sequence
+from importlib.metadata import distributions, entry_points
+
+from ascend_mepic.config import MepicConfig
+from ascend_mepic.entrypoints.offline import CPU_WORKER_CLS, SCHEDULER_CLS, worker_cls_for_platform
+from ascend_mepic.entrypoints.server.plugin import (
+    ENDPOINT_ENTRY_POINT,
+    ENDPOINT_PLUGINS_GROUP,
+    PLUGIN_NAME,
+)
+from ascend_mepic.vllm_integration.version import check_vllm_version
+
+logger = logging.getLogger(__name__)
+
+CPU_BLOCK_SIZE = 32
+
+
+def endpoint_plugin_installed() -> bool:
+    return any(
+        ep.name == PLUGIN_NAME and ep.value == ENDPOINT_ENTRY_POINT
+        for ep in entry_points(group=ENDPOINT_PLUGINS_GROUP)
+    )
+
+
+def allow_mepic_plugins(environ: MutableMapping[str, str] = os.environ) -> str:
+    """Add ``ascend_mepic`` to ``VLLM_PLUGINS`` (endpoint plugins load only when named).
+
+    When unset, vLLM loads every general/platform/stat-logger plugin; setting the variable
+    would turn that into an allowlist, so it lists all of them to keep that behaviour.
+    """
+    current = environ.get("VLLM_PLUGINS")
+    if current is None:
+        names = {
+            ep.name
+            for dist in distributions()
+            for ep in dist.entry_points
+            if ep.group.startswith("vllm.") and ep.group != ENDPOINT_PLUGINS_GROUP
+        }
+    else:
+        names = {n for n in current.split(",") if n}
+    names.add(PLUGIN_NAME)
+    environ["VLLM_PLUGINS"] = ",".join(sorted(names))
+    return environ["VLLM_PLUGINS"]
+
+
+def apply_mepic_defaults(args: Namespace, is_cpu: bool) -> str | None:
+    """Fill in MEPIC's server options the user left unset; returns a temp dir to remove.
+
+    User-given values win, except those MEPIC cannot work with (an error says which).
+    """
+    if args.scheduler_cls is None:
+        args.scheduler_cls = SCHEDULER_CLS
+    elif args.scheduler_cls != SCHEDULER_CLS:
+        logger.warning("--scheduler-cls %s: it must subclass MepicScheduler", args.scheduler_cls)
+    if args.worker_cls in (None, "auto"):
+        args.worker_cls = CPU_WORKER_CLS if is_cpu else worker_cls_for_platform()
+    if args.enable_prefix_caching is False:
+        raise ValueError("MEPIC needs prefix caching; drop --no-enable-prefix-caching")
+    args.enable_prefix_caching = True
+    if is_cpu and args.block_size is None:
+        args.block_size = CPU_BLOCK_SIZE
+    additional = args.additional_config or {}
+    if isinstance(additional, str):
+        additional = json.loads(additional)
+    additional = dict(additional)
+    mepic = additional.get("mepic") or {}
+    if not isinstance(mepic, dict):
+        raise ValueError(f'additional_config["mepic"] must be an object, got {mepic!r}')
+    mepic = dict(mepic)
+    temp_dir = None
+    if not mepic.get("stats_file"):
+        temp_dir = tempfile.mkdtemp(prefix="ascend-mepic-")
+        mepic["stats_file"] = os.path.join(temp_dir, "stats.json")
+    additional["mepic"] = mepic
+    MepicConfig.from_additional_config(additional)  # unknown options fail now, not later
+    args.additional_config = additional
+    return temp_dir
+
+
+def serve(argv: Sequence[str]) -> None:
+    """``ascend-mepic serve MODEL [vLLM server options]``: vLLM's OpenAI server, MEPIC on."""
+    check_vllm_version()
+    allow_mepic_plugins()  # before vLLM reads it anywhere
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    parser = make_arg_parser(
+        FlexibleArgumentParser(
+            prog="ascend-mepic serve", description="vLLM's OpenAI server with MEPIC on"
+        )
+    )
+    args = parser.parse_args(list(argv))
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    if not endpoint_plugin_installed():
+        raise RuntimeError(
+            f"the {ENDPOINT_PLUGINS_GROUP} entry point {PLUGIN_NAME} = {ENDPOINT_ENTRY_POINT} "
+            "is not installed; reinstall the package (pip install -e .)"
+        )
+    temp_dir = apply_mepic_defaults(args, is_cpu=current_platform.is_cpu())
+    if temp_dir is not None:
+        atexit.register(shutil.rmtree, temp_dir, True)
+    logger.info("MEPIC config: %s", json.dumps(args.additional_config["mepic"]))
+    validate_parsed_serve_args(args)
+    uvloop.run(run_server(args))

@@ -1,0 +1,137 @@
+"""HTTP responses of MEPIC requests: JSON errors, SSE events and completions shown as chat.
+
+A marked chat request runs as a completion in the engine; its response and its stream events are
+rewritten here into ``chat.completion`` and ``chat.completion.chunk`` form.
+"""
+
+import json
+from collections.abc import AsyncGenerator
+from http import HTTPStatus
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatMessage,
+)
+from vllm.entrypoints.openai.completion.protocol import CompletionResponse
+from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+from vllm.exceptions import GenerationError
+
+
+def error_json(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> JSONResponse:
+    err_type = "NotFoundError" if status == HTTPStatus.NOT_FOUND else "BadRequestError"
+    if status >= 500:
+        err_type = "ServiceUnavailableError"
+    err = create_error_response(message, err_type=err_type, status_code=status)
+    return JSONResponse(content=err.model_dump(), status_code=err.error.code)
+
+
+GENERATION_ERROR_MESSAGE = GenerationError().args[0]
+ENGINE_REJECTED = (
+    "MEPIC rejected the request: its layout can never fit the KV cache pool or one step's "
+    "chunk compile budget (raise --max-num-batched-tokens or shorten the chunks); the server "
+    "log names the exact reason"
+)
+
+
+def event_data(event: str) -> Any:
+    """The JSON payload of one SSE ``data:`` event, None for keep-alives and ``[DONE]``."""
+    line = event.strip()
+    if not line.startswith("data:"):
+        return None
+    body = line[len("data:") :].strip()
+    if body == "[DONE]":
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def is_finished_with_error_event(data: Any) -> bool:
+    """Whether a stream event is vLLM's report of a request the engine finished with an error.
+
+    vLLM 0.32 turns finish reason "error" into ``GenerationError`` with this exact 500 message;
+    other server errors (a dead engine, say) keep their own message and stay 5xx.
+    """
+    if not isinstance(data, dict) or not isinstance(data.get("error"), dict):
+        return False
+    err = data["error"]
+    return err.get("code") == HTTPStatus.INTERNAL_SERVER_ERROR and (
+        err.get("message") == GENERATION_ERROR_MESSAGE
+    )
+
+
+def ends_without_output(event: str) -> bool:
+    """Whether a stream's first event already ends it with nothing generated.
+
+    vLLM 0.30.0's completion stream skips an output with no text and no tokens *before* checking
+    its finish reason, so a request the engine finished with an error at arrival streams only
+    ``[DONE]`` (or, with usage reporting, a usage chunk without choices). A request that ran
+    always streams at least one choice (its first token or its finish reason).
+    """
+    line = event.strip()
+    if line == "data: [DONE]":
+        return True
+    data = event_data(event)
+    return isinstance(data, dict) and data.get("choices") == [] and "error" not in data
+
+
+def chat_id(completion_id: str) -> str:
+    return "chatcmpl-" + completion_id.removeprefix("cmpl-")
+
+
+def chat_response(resp: CompletionResponse) -> ChatCompletionResponse:
+    return ChatCompletionResponse(
+        id=chat_id(resp.id),
+        created=resp.created,
+        model=resp.model,
+        choices=[
+            ChatCompletionResponseChoice(
+                index=c.index,
+                message=ChatMessage(role="assistant", content=c.text),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in resp.choices
+        ],
+        usage=resp.usage,
+        system_fingerprint=resp.system_fingerprint,
+    )
+
+
+async def chat_stream(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+    """Completion SSE events rewritten as ``chat.completion.chunk`` events."""
+    started: set[int] = set()
+    async for event in events:
+        data = event_data(event)
+        if not isinstance(data, dict) or "error" in data:
+            yield event
+            continue
+        choices = []
+        for c in data.get("choices", []):
+            delta: dict[str, Any] = {"content": c.get("text", "")}
+            if c.get("index", 0) not in started:
+                started.add(c.get("index", 0))
+                delta = {"role": "assistant", **delta}
+            choices.append(
+                {
+                    "index": c.get("index", 0),
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": c.get("finish_reason"),
+                    "stop_reason": c.get("stop_reason"),
+                }
+            )
+        chunk = {
+            "id": chat_id(data.get("id", "")),
+            "object": "chat.completion.chunk",
+            "created": data.get("created"),
+            "model": data.get("model"),
+            "choices": choices,
+        }
+        if data.get("usage") is not None:
+            chunk["usage"] = data["usage"]
+        yield f"data: {json.dumps(chunk)}\n\n"
