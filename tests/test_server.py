@@ -86,6 +86,9 @@ def launch_server(model: str, tmp: Path, extra_args: list[str] = ()) -> tuple[st
         PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     )
     env.pop("VLLM_PLUGINS", None)
+    # LMCache sets this in-process when a tier test ran first; a server inheriting it would use
+    # prometheus' multiprocess registry (see the warning in ascend_mepic serve).
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     cmd = [
         sys.executable,
         "-m",

@@ -5,6 +5,8 @@ which ``GET /v1/mepic/stats`` returns and :class:`MepicStatsCollector` shows on 
 """
 
 import json
+import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,6 +14,8 @@ from typing import Any
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
 
 
 def read_stats(path: str) -> dict[str, Any] | None:
@@ -98,9 +102,20 @@ _collectors: dict[str, MepicStatsCollector] = {}
 
 
 def register_stats_collector(path: str) -> None:
-    """Register the collector once per process and stats file."""
+    """Register the collector once per process and stats file.
+
+    vLLM 0.30.0 serves ``/metrics`` from prometheus' default registry unless
+    ``PROMETHEUS_MULTIPROC_DIR`` is set (several API server processes), in which case it reads
+    only the multiprocess files and a collector object is not shown: MEPIC's metrics are then
+    available from ``/v1/mepic/stats`` only, and a warning says so.
+    """
     if not path or path in _collectors:
         return
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        logger.warning(
+            "PROMETHEUS_MULTIPROC_DIR is set: /metrics shows prometheus' multiprocess files only, "
+            "so MEPIC's metrics are served at /v1/mepic/stats, not /metrics"
+        )
     collector = MepicStatsCollector(path)
     REGISTRY.register(collector)
     _collectors[path] = collector
