@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ascend_mepic.core.policies import Policy
+from ascend_mepic.core.policies import Placement, Policy
 
 
 class UnsupportedEngineFeature(ValueError):
@@ -48,7 +48,8 @@ def unsupported_features(vllm_config: Any, policy: Policy, tier_enabled: bool) -
             "KV connectors (--kv-transfer-config): MEPIC's step plan uses the connector "
             "metadata slot; use MEPIC's own LMCache tier (additional_config mepic.tier)"
         )
-    if not vllm_config.cache_config.enable_prefix_caching:
+    shares = policy.placement is not Placement.NONE  # "full" ignores segments
+    if shares and not vllm_config.cache_config.enable_prefix_caching:
         reasons.append("disabled prefix caching: MEPIC keeps private blocks in vLLM's prefix cache")
     tp = parallel.tensor_parallel_size
     if tp > 1 and policy.loads_kv:

@@ -11,6 +11,8 @@ package (and ``version.SUPPORTED_VLLM``) is what to port.
 * ``channel``: the typed per-step plan sent from the scheduler to the workers.
 * ``scheduler``: KV manager install, compile pseudo-requests, prompt rewrite, running limits,
   outputs of requests finished at arrival.
+* ``kv_cache``: the KV manager's request block tables, per-block prefix-cache lookup and
+  insertion, and the ``BlockPool`` counts MEPIC's accounting reads.
 * ``runner``: the runner's step inputs MEPIC rewrites and the hand-off to the attention builders.
 * ``routes``: MEPIC's HTTP routes in place of vLLM's own completions routes.
 """

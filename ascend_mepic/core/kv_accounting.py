@@ -1,0 +1,182 @@
+"""Accounting of the chunk-aware KV manager: counters, block categories and metrics.
+
+"Used" blocks are those held by live requests and pinned chunks; reclaimable cache (vLLM's cached
+free blocks, idle chunks) is not used. ``block_categories`` puts every usable block in exactly one
+category; ``metrics`` is what the scheduler publishes for the API server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+from ascend_mepic.core.chunk_cache import ChunkCache
+from ascend_mepic.core.kv_settings import KVSettings
+from ascend_mepic.core.plan import Residency
+from ascend_mepic.core.policies import Policy
+from ascend_mepic.core.request_intake import BlockRole, RequestState
+from ascend_mepic.core.segments import BlockKind
+from ascend_mepic.tier.index import recompute_share
+from ascend_mepic.vllm_integration.kv_cache import (
+    block_table_or_empty,
+    num_cached_free_blocks,
+    num_usable_blocks,
+)
+
+if TYPE_CHECKING:
+    from ascend_mepic.core.chunk_transfers import HostStoreStaging, TierTransfers
+
+
+@dataclass
+class MepicCounters:
+    chunk_hits: int = 0
+    chunk_misses: int = 0
+    tokens_reused: int = 0
+    tokens_computed: int = 0
+    requests_admitted: int = 0
+    admissions_deferred: int = 0
+    blocks_loaded: int = 0
+    tier_loads_issued: int = 0
+    tier_loads: int = 0
+    tier_fallbacks: int = 0
+    tier_decided_load: int = 0
+    tier_decided_compute: int = 0
+    tier_puts_issued: int = 0
+
+    def count_admission(self, st: RequestState, residency: list[Residency], policy: Policy) -> None:
+        """An admitted request: its chunk hits and misses, tokens computed and reused."""
+        self.requests_admitted += 1
+        self.chunk_hits += sum(r in (Residency.RESIDENT, Residency.IN_FLIGHT) for r in residency)
+        self.chunk_misses += sum(r is Residency.COMPILE for r in residency)
+        assert st.plan is not None
+        if policy.kind == "mepic":
+            computed = st.plan.num_compute_tokens
+            reused = st.plan.num_reused_tokens
+        else:
+            in_context = st.num_in_context - st.compact_before[st.plan.num_prefix_hit_blocks]
+            computed = in_context + sum(len(x.token_ids) for x in st.plan.compiles)
+            # A compile's first-block tokens are also recomputed in context, unless the policy
+            # keeps the canonical first block (naive).
+            overlap = 0 if policy.keeps_first_block else st.layout.block_size
+            reused = (
+                st.layout.num_real_tokens
+                - in_context
+                - sum(len(x.token_ids) - max(0, overlap - x.pad) for x in st.plan.compiles)
+            )
+        self.tokens_computed += computed
+        self.tokens_reused += reused
+
+
+class KVAccounting:
+    """Reads the pool, the chunk cache and the manager's parts; changes nothing."""
+
+    def __init__(
+        self,
+        *,
+        settings: KVSettings,
+        counters: MepicCounters,
+        block_pool: BlockPool,
+        chunk_cache: ChunkCache,
+        tables: SingleTypeKVCacheManager,
+        states: dict[str, RequestState],
+        staging: HostStoreStaging,
+        tier_transfers: TierTransfers,
+    ) -> None:
+        self.settings = settings
+        self.counters = counters
+        self.block_pool = block_pool
+        self.chunk_cache = chunk_cache
+        self.tables = tables
+        self.states = states
+        self.staging = staging
+        self.tier_transfers = tier_transfers
+
+    def usage(self) -> float:
+        """Blocks held by live requests and pinned chunks; idle chunks are reclaimable cache."""
+        total = num_usable_blocks(self.block_pool)
+        return self.num_used_blocks() / total if total else 0.0
+
+    def num_used_blocks(self) -> int:
+        free = self.block_pool.get_num_free_blocks()
+        return num_usable_blocks(self.block_pool) - free - self.chunk_cache.lru.num_blocks
+
+    def block_categories(self) -> dict[str, int]:
+        """Every usable block in exactly one category (they add up to the pool size minus one)."""
+        prefix_cached_free = num_cached_free_blocks(self.block_pool)
+        referenced_chunk = self.chunk_cache.num_blocks(referenced=True)
+        scratch = (
+            sum(len(st.scratch) for st in self.states.values())
+            + self.staging.num_blocks()
+            + self.tier_transfers.num_blocks()
+        )
+        chunk_first, chunk_private = set(), 0
+        for rid, st in self.states.items():
+            table = block_table_or_empty(self.tables, rid)
+            for spec in st.layout.blocks[: len(table)]:
+                if st.roles[spec.index] is BlockRole.SHARED:
+                    continue
+                if spec.kind is BlockKind.CHUNK_FIRST:
+                    chunk_first.add(table[spec.index].block_id)
+                elif spec.kind is BlockKind.CHUNK_SHARED:
+                    chunk_private += 1  # a private copy of a chunk block (private placement)
+        used = self.num_used_blocks()
+        cats = {
+            "free": self.block_pool.get_num_free_blocks() - prefix_cached_free,
+            "prefix_cached": prefix_cached_free,
+            "chunk_shared_referenced": referenced_chunk,
+            "chunk_shared_idle": self.chunk_cache.lru.num_blocks,
+            "chunk_first_private": len(chunk_first),
+            "chunk_private": chunk_private,
+            "compile_scratch": scratch,
+        }
+        cats["prompt_private"] = (
+            used - referenced_chunk - len(chunk_first) - chunk_private - scratch
+        )
+        return cats
+
+    def tier_metrics(self) -> dict[str, Any]:
+        """Tier hits, loads, fallbacks, bytes moved and the load-or-compute decisions."""
+        tier = self.settings.tier
+        if tier is None:
+            return {}
+        c = self.counters
+        worker = tier.worker_state()
+        costs = worker.get("load_s_per_token", {})
+        compute = worker.get("compute_s_per_token")
+        out: dict[str, Any] = {
+            "tier_loads_issued": c.tier_loads_issued,
+            "tier_loads": c.tier_loads,
+            "tier_fallbacks": c.tier_fallbacks,
+            "tier_decided_load": c.tier_decided_load,
+            "tier_decided_compute": c.tier_decided_compute,
+            "tier_puts_issued": c.tier_puts_issued,
+        }
+        if compute:
+            out["tier_compute_us_per_token"] = round(compute * 1e6, 3)
+        for backend, cost in costs.items():
+            out[f"tier_load_us_per_token_{backend}"] = round(cost * 1e6, 3)
+            out[f"tier_recompute_share_{backend}"] = round(recompute_share(cost, compute), 4)
+        out.update({f"tier_worker_{k}": v for k, v in worker.get("counters", {}).items()})
+        return out
+
+    def metrics(self) -> dict[str, int]:
+        c, s = self.counters, self.chunk_cache.stats
+        store = self.settings.store
+        return {
+            **self.tier_metrics(),
+            "chunk_hits": c.chunk_hits,
+            "chunk_misses": c.chunk_misses,
+            "chunk_evictions": s.evictions,
+            "tokens_reused": c.tokens_reused,
+            "tokens_computed": c.tokens_computed,
+            "requests_admitted": c.requests_admitted,
+            "admissions_deferred": c.admissions_deferred,
+            "blocks_loaded": c.blocks_loaded,
+            "host_store_chunks": store.num_chunks() if store else 0,
+            "resident_chunks": len(self.chunk_cache.entries),
+            "pinned_chunks": sum(e.pinned for e in self.chunk_cache.entries.values()),
+            **{f"blocks_{k}": v for k, v in self.block_categories().items()},
+        }

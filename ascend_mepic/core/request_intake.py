@@ -1,0 +1,262 @@
+"""Request intake: validate a segmented request and build its scheduling state.
+
+A request arrives with its real prompt tokens and segment lengths (``extra_args[EXTRA_ARGS_KEY]``).
+``RequestIntake.inspect`` checks it before anything is allocated (so a bad request never disturbs
+others) and names its cached chunks; ``RequestIntake.build`` then decides each layout block's role,
+rewrites the engine request to its in-context tokens and layout-keyed block hashes, and returns the
+``RequestState`` the rest of the manager works from.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock, hash_block_tokens
+from vllm.v1.request import Request
+
+from ascend_mepic.core.chunk_cache import ChunkCache, ChunkEntry
+from ascend_mepic.core.errors import MepicCapacityError, MepicUnsupportedError
+from ascend_mepic.core.identity import ChunkId, chunk_identity
+from ascend_mepic.core.kv_settings import KVSettings
+from ascend_mepic.core.plan import RequestPlan, SequencePlacement
+from ascend_mepic.core.policies import Placement
+from ascend_mepic.core.segments import (
+    EXTRA_ARGS_KEY,
+    PIN_KEY,
+    BlockKind,
+    Layout,
+    layout_from_real,
+)
+from ascend_mepic.core.step_room import StepRoom
+from ascend_mepic.vllm_integration.kv_cache import num_usable_blocks, set_block_hashes
+from ascend_mepic.vllm_integration.scheduler import set_prompt
+
+
+class BlockRole(str, enum.Enum):
+    """Where a layout block's KV comes from in one request."""
+
+    PRIVATE = "private"  # computed in the request's context (or a prefix-cache hit)
+    SHARED = "shared"  # a chunk's canonical block in the pool, referenced
+    LOAD = "load"  # private, filled from the host store, then fresh slots overwritten
+
+
+@dataclass
+class RequestState:
+    """Scheduling-path state of one MEPIC request; survives preemption, dropped when finished."""
+
+    layout: Layout
+    chunk_ids: dict[int, ChunkId | None]  # chunk segment -> identity; None if not cached
+    roles: list[BlockRole]  # per layout block
+    placement: SequencePlacement  # what the worker needs to place its tokens
+    compact_slots: list[int] = field(default_factory=list)  # padded index of in-context token i
+    compact_before: list[int] = field(default_factory=list)  # in-context tokens before block i
+    entries: list[ChunkEntry] = field(default_factory=list)  # acquired, one per occurrence
+    scratch: list[KVCacheBlock] = field(default_factory=list)
+    plan: RequestPlan | None = None
+    pin: bool = False  # pin this request's chunks once allocated (explicit chunk API)
+
+    @property
+    def allocated(self) -> bool:
+        return self.plan is not None
+
+    @property
+    def num_in_context(self) -> int:
+        return len(self.compact_slots)
+
+    def padded_end(self, num_tokens: int) -> int:
+        """Padded length covering the request's first ``num_tokens`` (in-context, then decode)."""
+        if num_tokens <= 0:
+            return 0
+        if num_tokens <= self.num_in_context:
+            return self.compact_slots[num_tokens - 1] + 1
+        return self.layout.num_padded_tokens + num_tokens - self.num_in_context
+
+
+def mepic_block_hashes(
+    layout: Layout,
+    padded_token_ids: list[int],
+    hash_fn: Callable[[Any], bytes],
+    cache_salt: str | None,
+    policy: str = "mepic",
+) -> list[BlockHash]:
+    """Prefix-chained hashes of the layout's full blocks, with a layout key on every block.
+
+    The key makes the same tokens under a different segmentation (hence different KV) miss.
+    """
+    bs = layout.block_size
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for spec in layout.blocks[: len(padded_token_ids) // bs]:
+        extra: tuple[Any, ...] = (policy, spec.kind.value, spec.valid_start, spec.valid_end)
+        if spec.index == 0 and cache_salt:
+            extra = (cache_salt, *extra)
+        tokens = padded_token_ids[spec.index * bs : (spec.index + 1) * bs]
+        parent = hash_block_tokens(hash_fn, parent, tokens, extra)
+        hashes.append(parent)
+    return hashes
+
+
+class RequestIntake:
+    """Validates segmented requests and builds their ``RequestState``."""
+
+    def __init__(
+        self,
+        *,
+        settings: KVSettings,
+        room: StepRoom,
+        block_pool: BlockPool,
+        chunk_cache: ChunkCache,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool,
+        hash_fn: Callable[[Any], bytes],
+        model_fingerprint: str,
+    ) -> None:
+        self.settings = settings
+        self.room = room
+        self.block_pool = block_pool
+        self.chunk_cache = chunk_cache
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.hash_fn = hash_fn
+        self.model_fingerprint = model_fingerprint
+
+    def inspect(self, request: Request) -> tuple[Layout, dict[int, ChunkId | None]] | None:
+        """Validate a segmented request and name its cached chunks; None if it has no segments.
+
+        Raises LayoutError / MepicCapacityError / MepicUnsupportedError before anything is
+        allocated, so a bad request never disturbs others.
+        """
+        params = request.sampling_params
+        extra = params.extra_args if params else None
+        if not extra or EXTRA_ARGS_KEY not in extra:
+            return None
+        if not self.enable_caching:
+            raise MepicUnsupportedError("MEPIC requests need prefix caching enabled")
+        if params is not None and params.prompt_logprobs is not None:
+            raise MepicUnsupportedError("prompt logprobs are not supported for MEPIC requests")
+        if request.num_computed_tokens or request.num_output_tokens:
+            raise MepicUnsupportedError("a MEPIC request must be registered before it runs")
+        layout = layout_from_real(
+            list(request.prompt_token_ids or []), extra[EXTRA_ARGS_KEY], self.block_size
+        )
+        if layout.num_padded_tokens >= self.max_model_len:
+            raise MepicCapacityError(
+                f"padded prompt of {layout.num_padded_tokens} tokens leaves no room in the "
+                f"model's max_model_len {self.max_model_len}"
+            )
+        policy = self.settings.policy
+        chunk_ids: dict[int, ChunkId | None] = {}
+        for span in layout.chunk_spans:
+            cached = policy.chunk_is_cached(span.num_tokens, layout.block_size)
+            chunk_ids[span.segment] = (
+                chunk_identity(
+                    layout.chunk_tokens(span),
+                    layout.block_size,
+                    self.model_fingerprint,
+                    request.cache_salt,
+                )
+                if cached
+                else None
+            )
+        self.room.check_request(layout, chunk_ids)
+        private = policy.placement is Placement.PRIVATE
+        worst_case = layout.num_blocks + (
+            1 if private else sum(1 for c in chunk_ids.values() if c is not None)
+        )
+        usable = num_usable_blocks(self.block_pool) - self.chunk_cache.num_pinned_blocks()
+        if worst_case > usable:
+            raise MepicCapacityError(
+                f"request needs up to {worst_case} KV blocks (layout {layout.num_blocks} + "
+                f"compile scratch) but the pool has only {usable} usable blocks"
+            )
+        return layout, chunk_ids
+
+    def build(
+        self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
+    ) -> RequestState:
+        """The state of an inspected request; rewrites the engine request to match.
+
+        After this the engine request holds its in-context tokens only, in layout order: prompt
+        tokens and the chunk tokens the policy computes in context (for MEPIC each chunk's first
+        block). Those are all vLLM schedules for it; other chunk tokens are shared, loaded, or
+        compiled as separate sequences.
+        """
+        extra = request.sampling_params.extra_args
+        bs, policy = layout.block_size, self.settings.policy
+        roles = [BlockRole.PRIVATE] * layout.num_blocks
+        fresh: set[int] = set()
+        for ci, span in enumerate(layout.chunk_spans):
+            chunk_id = chunk_ids[span.segment]
+            base = span.first_block * bs + span.pad
+            if chunk_id is None:
+                fresh.update(range(base, base + span.num_tokens))
+                continue
+            scores = self.settings.store.scores(chunk_id) if policy.needs_scores else None
+            offsets = policy.fresh_tokens(ci, span.num_tokens, bs, scores)
+            fresh.update(base + o for o in offsets)
+            for j in range(span.num_blocks):
+                b = span.first_block + j
+                if policy.placement is Placement.PRIVATE:
+                    roles[b] = BlockRole.LOAD
+                elif j > 0 or policy.keeps_first_block:
+                    roles[b] = BlockRole.SHARED
+                elif policy.kind == "mepic-k":
+                    roles[b] = BlockRole.LOAD
+        compact_slots = sorted(
+            slot
+            for spec in layout.blocks
+            for slot in range(spec.index * bs + spec.valid_start, spec.index * bs + spec.valid_end)
+            if spec.kind is BlockKind.PROMPT or slot in fresh
+        )
+        compact_before = [0] * (layout.num_blocks + 1)
+        for slot in compact_slots:
+            compact_before[slot // bs + 1] += 1
+        for i in range(layout.num_blocks):
+            compact_before[i + 1] += compact_before[i]
+        padded = layout.padded_token_ids()
+        set_prompt(request, [padded[i] for i in compact_slots])
+        # Layout-keyed hashes of the prompt's full blocks; decode blocks are not prefix-cached.
+        set_block_hashes(
+            request,
+            mepic_block_hashes(layout, padded, self.hash_fn, request.cache_salt, policy.name),
+        )
+        request.max_tokens = min(request.max_tokens, self.max_model_len - layout.num_padded_tokens)
+        placement = SequencePlacement(
+            segment_lengths=tuple((kind, n) for kind, n in layout.segment_lengths()),
+            num_in_context=len(compact_slots),
+            fresh_slots=tuple(compact_slots) if policy.kind != "mepic" else None,
+            blend=(policy.ratio, policy.check_layer) if policy.dynamic else None,
+        )
+        return RequestState(
+            layout,
+            chunk_ids,
+            roles,
+            placement,
+            compact_slots,
+            compact_before,
+            pin=bool(extra.get(PIN_KEY)),
+        )
+
+    def named_chunks(self, request: Request) -> list[ChunkId]:
+        """The identity of every chunk a (control) request's segments name, cached or not."""
+        extra = request.sampling_params.extra_args if request.sampling_params else None
+        layout = layout_from_real(
+            list(request.prompt_token_ids or []),
+            (extra or {}).get(EXTRA_ARGS_KEY),
+            self.block_size,
+        )
+        return [
+            chunk_identity(
+                layout.chunk_tokens(span),
+                layout.block_size,
+                self.model_fingerprint,
+                request.cache_salt,
+            )
+            for span in layout.chunk_spans
+        ]
