@@ -37,7 +37,7 @@ class ChunkCompile:
 
     @property
     def segment_lengths(self) -> list[list]:
-        """The compile's own layout (``extra_args[COMPILE_KEY]`` for the worker)."""
+        """The compile's own layout (its ``SequencePlacement`` in the step plan)."""
         chunk = ["chunk", len(self.token_ids)]
         return [["prompt", len(self.dummy_tokens)], chunk] if self.dummy_tokens else [chunk]
 

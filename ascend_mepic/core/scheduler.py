@@ -1,9 +1,10 @@
 """MepicScheduler: vLLM's scheduler with the chunk-aware KV manager swapped in.
 
 Install with ``--scheduler-cls ascend_mepic.core.scheduler.MepicScheduler`` and turn MEPIC on with
-``--additional-config '{"mepic": {}}'``. vLLM 0.32 builds its ``KVCacheManager`` inside
+``--additional-config '{"mepic": {}}'``. vLLM 0.30.0 builds its ``KVCacheManager`` inside
 ``Scheduler.__init__`` with no hook to choose another class, so this subclass replaces it right
-after construction, before any block is allocated. With MEPIC off it is stock vLLM's scheduler.
+after construction (``vllm_integration.scheduler.install_kv_manager``), before any block is
+allocated. With MEPIC off it is stock vLLM's scheduler.
 
 Requests carrying ``extra_args["mepic_segments"]`` are validated when they arrive; a malformed
 layout or one that can never fit the KV pool finishes at once with ``FINISHED_ERROR`` and a logged

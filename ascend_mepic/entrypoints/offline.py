@@ -44,7 +44,7 @@ def worker_cls_for_platform() -> str:
         return GPU_WORKER_CLS
     raise ValueError(
         f"MEPIC has no worker for platform {current_platform.device_type!r} yet; on Ascend, "
-        "vllm-ascend does not support vLLM 0.32 (see README: hardware)"
+        "the NPU worker is not built yet (see README: hardware)"
     )
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Rotary classes whose cos/sin cache is a fixed function of the position (vLLM 0.32 names).
+# Rotary classes whose cos/sin cache is a fixed function of the position (vLLM 0.30.0 names).
 SUPPORTED_ROTARY_CLASSES = (
     "RotaryEmbedding",
     "Llama3RotaryEmbedding",

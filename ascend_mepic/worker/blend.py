@@ -122,7 +122,7 @@ def subset_metadata(meta: PagedRopeMetadata, keep: torch.Tensor) -> PagedRopeMet
 
 class _LayerGate(nn.Module):
     """Wraps one decoder layer after the check layer: gathers rows at the first, scatters at
-    the last (vLLM 0.32 decoder layers take ``(positions, hidden_states, residual)``)."""
+    the last (vLLM 0.30.0 decoder layers take ``(positions, hidden_states, residual)``)."""
 
     def __init__(self, layer: nn.Module, index: int, first: bool, last: bool) -> None:
         super().__init__()

@@ -4,7 +4,7 @@ vLLM numbers each request's scheduled tokens 0, 1, 2, ... and derives positions 
 those numbers. For a MEPIC request the numbers index its in-context tokens (see ``token_map``), so
 right after vLLM prepares a step's inputs this runner rewrites, for those requests only, the
 positions (to logical positions) and the KV slot mapping (to the padded layout inside the request's
-block table), and publishes the step's position tables for the attention builder. Chunk compiles
+block table), and hands the step's position tables to its attention builders. Chunk compiles
 are ordinary sequences of the same batch. Everything else is vLLM's runner unchanged.
 
 ``MepicRunnerMixin`` holds that logic; ``MepicCPUModelRunner`` applies it to vLLM's CPU runner

@@ -53,7 +53,7 @@ def event_data(event: str) -> Any:
 def is_finished_with_error_event(data: Any) -> bool:
     """Whether a stream event is vLLM's report of a request the engine finished with an error.
 
-    vLLM 0.32 turns finish reason "error" into ``GenerationError`` with this exact 500 message;
+    vLLM turns finish reason "error" into ``GenerationError`` with this exact 500 message;
     other server errors (a dead engine, say) keep their own message and stay 5xx.
     """
     if not isinstance(data, dict) or not isinstance(data.get("error"), dict):
