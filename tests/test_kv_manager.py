@@ -8,7 +8,7 @@ from vllm.v1.request import RequestStatus
 from ascend_mepic.core.chunk_cache import ChunkState
 from ascend_mepic.core.kv_manager import MepicCapacityError, MepicKVCacheManager
 from ascend_mepic.core.plan import Residency
-from ascend_mepic.core.segments import BlockKind, Segment
+from ascend_mepic.core.segments import Segment
 from ascend_mepic.eval.kvsim import build_manager, make_request
 
 B = 16
@@ -60,27 +60,92 @@ def check_conservation(m: MepicKVCacheManager):
         assert (b.block_id in free_ids) == (b.ref_cnt == 0)
 
 
-def test_same_chunk_different_offsets_shares_blocks_after_the_first():
+def canonical_ids(m, rid: str, span_index: int) -> list[int]:
+    """Block ids a request's table lists for one chunk's canonical tokens."""
+    plan = m.get_plan(rid)
+    sp = plan.layout.spans[span_index]
+    return list(plan.block_ids[sp.shared_first : sp.shared_first + sp.num_shared])
+
+
+def test_same_chunk_anywhere_shares_its_canonical_blocks_packed():
     m = build_manager("mepic", 128, B)
-    c = chunk(1, 60)
+    c = chunk(1, 60)  # 16 private tokens, 44 canonical
     a = make_request("a", [Segment.prompt([1, 2, 3]), c, Segment.prompt([9])], B)
     b = make_request("b", [Segment.prompt(range(100, 140)), chunk(2), c, Segment.prompt([9])], B)
     ta, tb = admit(m, a), admit(m, b)
-    la, lb = m.get_plan("a").layout, m.get_plan("b").layout
-    sa, sb = la.spans[1], lb.spans[2]
-    assert sa.num_blocks == sb.num_blocks == 4
-    assert (
-        ta[sa.first_block + 1 : sa.first_block + 4] == tb[sb.first_block + 1 : sb.first_block + 4]
-    )
-    assert ta[sa.first_block] != tb[sb.first_block]
+    assert canonical_ids(m, "a", 1) == canonical_ids(m, "b", 2)
     assert m.get_plan("a").residency == (Residency.COMPILE,)
     assert m.get_plan("b").residency == (Residency.COMPILE, Residency.IN_FLIGHT)
-    assert len(set(ta) & set(tb)) == 3
+    # Private streams packed: a = 3 + 16 + 1 tokens (2 blocks), b = 40 + 16 + 16 + 1 (5 blocks).
+    sa, sb = m._states["a"], m._states["b"]
+    assert len(sa.private_blocks) == 2 and len(sb.private_blocks) == 5
+    # chunk 2's canonical tokens start where chunk 1's ended: one block holds both.
+    e1, e2 = (m.chunk_cache.lookup(x) for x in m.chunk_cache.entries)
+    assert e2.blocks[0] is e1.blocks[-1] and e2.offset == (e1.offset + 44) % B
+    assert m.chunk_cache.slot_utilisation() == pytest.approx((44 + 34) / (5 * B))
     check_conservation(m)
-    # Private copies would need 3 more blocks for the second request.
-    assert m.num_used_blocks() == len(set(ta) | set(tb)) + 2  # + compile scratch blocks
+    shared = {bl.block_id for e in (e1, e2) for bl in e.blocks}
+    assert len(shared) == 5  # 78 canonical tokens in 5 blocks, no padding
+    assert m.num_used_blocks() == 2 + 5 + len(shared) + 2  # + one compile scratch block each
+    assert set(ta) | set(tb) == shared | {
+        bl.block_id for bl in sa.private_blocks + sb.private_blocks
+    }
     m.new_step_starts()
-    assert m.num_used_blocks() == len(set(ta) | set(tb))
+    assert m.num_used_blocks() == 2 + 5 + len(shared)
+    check_conservation(m)
+
+
+def test_chunks_sharing_a_block_are_evicted_whole_and_the_block_freed_with_the_last():
+    m = build_manager("mepic", 64, B)
+    c1, c2 = chunk(1, 16 + 40), chunk(2, 16 + 40)  # 40 canonical tokens each: share a block
+    r1 = make_request("r1", [Segment.prompt([1]), c1, Segment.prompt([7])], B)
+    admit(m, r1)
+    m.new_step_starts()
+    finish(m, r1)
+    r2 = make_request("r2", [Segment.prompt([2]), c2, Segment.prompt([7])], B)
+    admit(m, r2)  # c2 in use, c1 idle
+    m.new_step_starts()
+    e1, e2 = (m.chunk_cache.lookup(x) for x in m.chunk_cache.entries)
+    joint = e1.blocks[-1]
+    assert e2.blocks[0] is joint and joint.block_id in canonical_ids(m, "r2", 1)
+    assert joint.ref_cnt == 3  # two chunks stored in it, one request lists it
+    cats = m.block_categories()
+    assert cats["chunk_shared_referenced"] == 3 and cats["chunk_shared_idle"] == 2
+    # Evicting c1 frees only the blocks c2 does not use; the joint block keeps c2's KV.
+    assert m.chunk_cache.lru.evictable_blocks() == 2
+    m.chunk_cache.evict(e1)
+    assert m.chunk_cache.stats.evicted_blocks == 2 and joint.ref_cnt == 2
+    check_conservation(m)
+    finish(m, r2)
+    m.chunk_cache.evict(e2)
+    assert joint.ref_cnt == 0 and not m.chunk_cache.entries
+    assert m.chunk_cache.arena.open is None  # forgotten with its last chunk
+    check_conservation(m)
+
+
+def test_an_idle_chunk_used_again_moves_next_to_the_chunks_in_use():
+    m = build_manager("mepic", 64, B)
+    c1, c2, c3 = chunk(1, 16 + 40), chunk(2, 16 + 40), chunk(3, 16 + 40)
+    for i, c in enumerate((c1, c2)):
+        r = make_request(f"r{i}", [Segment.prompt([i + 1]), c, Segment.prompt([7])], B)
+        admit(m, r)
+        m.new_step_starts()
+        finish(m, r)
+    live = make_request("live", [Segment.prompt([5]), c3, Segment.prompt([7])], B)
+    admit(m, live)  # c3 in use, placed after c2
+    m.new_step_starts()
+    e1 = m.chunk_cache.lookup(next(iter(m.chunk_cache.entries)))
+    old = [b.block_id for b in e1.blocks]
+    again = make_request("again", [Segment.prompt([3]), c1, Segment.prompt([7])], B)
+    admit(m, again)
+    # c1's blocks were used by nobody: it moves after c3 instead of making them used.
+    moves = m.take_chunk_moves()
+    assert [mv.chunk_id for mv in moves] == [e1.chunk_id] and m.chunk_cache.stats.moves == 1
+    assert moves[0].src_block_ids == tuple(old) and moves[0].dst_block_ids == tuple(e1.block_ids)
+    assert canonical_ids(m, "again", 1) == e1.block_ids and not set(old) & set(e1.block_ids)
+    assert m._states["again"].scratch  # the old blocks are held until the copy has run
+    check_conservation(m)
+    m.new_step_starts()
     check_conservation(m)
 
 
@@ -153,28 +218,30 @@ def test_admission_waits_without_partial_allocation_and_too_big_errors():
     check_conservation(m)
 
 
-def test_repeated_prefix_reuses_chunk_first_block_from_prefix_cache():
+def test_repeated_prefix_reuses_packed_private_blocks_from_prefix_cache():
     m = build_manager("mepic", 64, B)
     segs = [Segment.prompt(range(1, 20)), chunk(1), chunk(2), Segment.prompt([5, 6])]
     a = make_request("a", segs, B)
-    ta = admit(m, a)
+    admit(m, a)
+    private_a = [bl.block_id for bl in m._states["a"].private_blocks]
     m.new_step_starts()
     finish(m, a)
     b = make_request("b", [*segs[:-1], Segment.prompt([8, 9, 10])], B)
     blocks, hit, _ = m.get_computed_blocks(b) if m.track(b) else (None, 0, 0)
-    layout = m._states["b"].layout
-    # Everything up to the final prompt block hits: prompt blocks, both chunks' first blocks
-    # (prefix cache) and their canonical blocks (chunk cache).
-    assert hit == b.num_tokens - 3  # every in-context token but the final prompt's block
+    # Private stream: 19 prompt + 16 + 16 chunk tokens + the question. Its first three blocks
+    # (48 tokens, both chunks' private tokens included) are the same in both requests.
+    assert b.num_tokens == 19 + 16 + 16 + 3 and hit == 48
     m.allocate_slots(b, b.num_tokens - hit, hit, blocks)
+    assert [bl.block_id for bl in m._states["b"].private_blocks[:3]] == private_a[:3]
+    assert m.get_plan("b").num_in_context_computed == b.num_tokens - 48
+    assert m.get_plan("b").residency == (Residency.RESIDENT, Residency.RESIDENT)
     tb = m.get_block_ids("b")[0]
-    first = [s.index for s in layout.blocks if s.kind is BlockKind.CHUNK_FIRST]
-    assert [tb[i] for i in first] == [ta[i] for i in first]
-    assert m.get_plan("b").compute_blocks == (layout.num_blocks - 1,)
-    # A different salt shares nothing.
+    # A different salt shares nothing: neither private blocks, nor chunks, nor a chunk block
+    # with another tenant's chunk in it (each tenant packs into blocks of its own).
     c = make_request("c", segs, B, cache_salt="other-tenant")
     admit(m, c)
     assert not set(m.get_block_ids("c")[0]) & set(tb)
+    assert set(m.chunk_cache.arena.open_blocks) == {None, "other-tenant"}
     check_conservation(m)
 
 
@@ -188,8 +255,7 @@ def test_same_chunk_twice_in_one_request_and_single_block_chunks():
     plan = m.get_plan("r")
     assert plan.residency == (Residency.COMPILE, Residency.SINGLE_BLOCK, Residency.IN_FLIGHT)
     assert len(plan.compiles) == 1
-    s1, s3 = plan.layout.spans[1], plan.layout.spans[3]
-    assert t[s1.first_block + 1 : s1.first_block + 4] == t[s3.first_block + 1 : s3.first_block + 4]
+    assert canonical_ids(m, "r", 1) == canonical_ids(m, "r", 3) and len(t) > 4
     m.new_step_starts()
     finish(m, r)
     check_conservation(m)
@@ -218,16 +284,19 @@ def test_decode_growth_and_preemption_resume():
         new = m.allocate_slots(r, 1)
         assert new is not None
         r.num_computed_tokens = r.num_tokens
-    padded_len = m._states["r"].layout.num_padded_tokens
-    assert len(m.get_block_ids("r")[0]) == -(-(padded_len + 40) // B) > n0
-    # Preempt: everything released, layout kept; re-admission hits prefix + chunk caches.
+    st = m._states["r"]
+    in_context = r.num_tokens - 40  # 1 + 16 + 1
+    assert len(st.private_blocks) == -(-(in_context + 40) // B)
+    extra = len(st.private_blocks) - st.layout.num_private_blocks
+    assert len(m.get_block_ids("r")[0]) == st.layout.num_blocks + extra > n0
+    # Preempt: everything released; re-admission hits the prefix cache and the chunk cache.
     r.status = RequestStatus.PREEMPTED
     m.free(r)
     r.num_computed_tokens = 0
     check_conservation(m)
     blocks, hit, _ = m.get_computed_blocks(r)
-    # Decode blocks are not prefix-cached: the hit ends before the final prompt block.
-    assert hit == r.num_tokens - 40 - 1
+    # Decode blocks are not prefix-cached: the hit is the prompt's full private blocks.
+    assert hit == (in_context - 1) // B * B
     assert m.allocate_slots(r, r.num_tokens - hit, hit, blocks) is not None
     check_conservation(m)
 

@@ -23,7 +23,8 @@ POLICIES = [
     "naive",
     "mepic",
     "mepic-8",
-    "mepic-32",
+    "mepic-16",
+    "mepic-block",
     "epic-16",
     "legolink-0",
     "cachetune-15",
@@ -104,9 +105,11 @@ def test_policies_differ_where_they_should(runs, requests, reference):
     naive = ref.logprobs(list(a), "naive")[0]
     assert (full - naive).abs().max() > 1e-3  # the check above can tell them apart
     first = runs["mepic"]["batches"][0][0]["logprobs"][0]
-    same = runs["mepic-32"]["batches"][0][0]["logprobs"][0]
+    same = runs["mepic-16"]["batches"][0][0]["logprobs"][0]
     assert first.keys() == same.keys()
-    assert all(abs(first[t] - same[t]) < 1e-6 for t in first)  # mepic-B == mepic
+    assert all(abs(first[t] - same[t]) < 1e-6 for t in first)  # mepic == mepic-16
+    paper = runs["mepic-block"]["batches"][0][0]["logprobs"][0]
+    assert any(abs(first[t] - paper.get(t, 0.0)) > 1e-4 for t in first)  # 16 tokens, not 26
     naive_engine = runs["naive"]["batches"][0][0]["logprobs"][0]
     assert any(abs(first[t] - naive_engine.get(t, 0.0)) > 1e-4 for t in first)
 
@@ -115,9 +118,9 @@ def test_private_placement_loads_and_shared_placement_shares(runs):
     epic = runs["epic-16"]["metrics"]
     assert epic["host_store_chunks"] == 2 and epic["blocks_loaded"] > 0
     assert epic["chunk_hits"] == 0  # nothing shared in the pool
-    mepic = runs["mepic"]["metrics"]
-    assert mepic["chunk_hits"] >= 4 and mepic["blocks_loaded"] == 0
-    assert runs["mepic-8"]["metrics"]["blocks_loaded"] == 4  # one first block per chunk use
+    for name in ("mepic", "mepic-8", "mepic-block", "naive"):
+        mepic = runs[name]["metrics"]
+        assert mepic["chunk_hits"] >= 4 and mepic["blocks_loaded"] == 0, name
 
 
 def test_epic_never_recomputes_the_first_chunk():
@@ -128,9 +131,13 @@ def test_epic_never_recomputes_the_first_chunk():
 
 
 def test_policy_parsing_and_fresh_sets():
-    assert parse_policy("mepic").fresh_tokens(0, 90, B) == list(range(26))
+    assert parse_policy("mepic").fresh_tokens(0, 90, B) == list(range(16))
+    assert parse_policy("mepic").fresh_tokens(0, 90, 128) == list(range(16))  # any block size
     assert parse_policy("mepic-8").fresh_tokens(0, 90, B) == list(range(8))
-    assert parse_policy("mepic-32").fresh_tokens(0, 90, B) == list(range(26))
+    assert parse_policy("mepic-block").fresh_tokens(0, 90, B) == list(range(26))
+    assert parse_policy("mepic").chunk_is_cached(17, B)
+    assert not parse_policy("mepic").chunk_is_cached(16, B)
+    assert not parse_policy("mepic-block").chunk_is_cached(32, B)
     assert parse_policy("naive").fresh_tokens(3, 90, B) == []
     assert parse_policy("cacheblend-15").fresh_tokens(0, 90, B) == list(range(90))
     tune = parse_policy("cachetune-50")

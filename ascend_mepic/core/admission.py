@@ -1,13 +1,19 @@
 """Admission and allocation of MEPIC requests (Algorithm 1), in vLLM's one BlockPool.
 
-A request's first allocation covers its whole layout at once, or nothing (it keeps waiting):
+A request's first allocation covers its whole layout at once, or nothing (it keeps waiting).
 
-* private blocks (prompt blocks and every chunk's first block) are prefix-cache hits or new blocks;
-* a chunk's blocks after the first are the chunk's canonical blocks, shared through the
-  ``ChunkCache``; a first-time chunk gets new canonical blocks plus a scratch block for its
-  compile, and becomes READY when the next step starts (its compile ran in this one);
-* under private placement every chunk block is a new private block the worker fills from the host
-  store (a ``HostLoad``).
+Shared placement (the packed layout):
+
+* the request's private blocks hold its private stream (prompt tokens and each chunk's first
+  tokens, then decode), packed: prefix-cache hits, then new blocks;
+* each chunk's canonical tokens are the ``ChunkCache``'s, packed with other chunks' in shared
+  blocks; a first-time chunk is placed by the chunk arena (plus scratch blocks for its private
+  tokens during the compile) and becomes READY when the next step starts;
+* the table lists, in logical order, one entry per private run and per canonical block, so a
+  private block may be listed more than once (one reference per listing).
+
+Private placement (the padded layout): every chunk block is a new private block the worker fills
+from the host store (a ``HostLoad``).
 
 Idle chunks are evicted (whole, least recently released first) only when the free blocks do not
 suffice. Later steps (decode, the rest of a split prefill) grow the table with private blocks. The
@@ -18,7 +24,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -27,13 +32,20 @@ from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.request import Request
 
 from ascend_mepic.core.chunk_cache import ChunkCache, ChunkEntry, ChunkState
-from ascend_mepic.core.hit_lookup import canonical_block
 from ascend_mepic.core.identity import ChunkId
 from ascend_mepic.core.kv_accounting import MepicCounters
 from ascend_mepic.core.kv_settings import KVSettings
-from ascend_mepic.core.plan import ChunkCompile, HostLoad, RequestPlan, Residency
+from ascend_mepic.core.plan import (
+    ChunkCompile,
+    ChunkMove,
+    HostLoad,
+    RequestPlan,
+    Residency,
+    SequencePlacement,
+)
 from ascend_mepic.core.policies import Placement
 from ascend_mepic.core.request_intake import BlockRole, RequestState
+from ascend_mepic.core.segments import BlockKind, Segment, build_packed_layout
 from ascend_mepic.core.step_room import StepRoom
 from ascend_mepic.vllm_integration.kv_cache import (
     block_table,
@@ -71,6 +83,7 @@ class Admission:
         self.max_model_len = max_model_len
         self.watermark_blocks = watermark_blocks
         self.host_loads: list[HostLoad] = []  # host-store copies into this step's new blocks
+        self.moves: list[ChunkMove] = []  # chunk relocations of this step
         # Recent admissions' chunk block ids, for operators and tests (bounded).
         self.recent_chunk_blocks: deque[tuple[str, list[list[int]]]] = deque(maxlen=1024)
 
@@ -88,6 +101,17 @@ class Admission:
     ) -> list[KVCacheBlock] | None:
         """``KVCacheManager.allocate_slots`` for a tracked request: its new blocks, or None."""
         total_computed = request.num_computed_tokens + num_new_computed_tokens
+        if st.layout.packed:
+            return self._allocate_packed(
+                request,
+                st,
+                total_computed,
+                num_new_tokens + num_lookahead_tokens,
+                new_computed_blocks,
+                delay_cache_blocks,
+                reserved_blocks,
+                has_scheduled_reqs,
+            )
         # Everything below works in the padded layout; vLLM counts in-context tokens.
         num_need_slot = min(
             st.padded_end(total_computed + num_new_tokens + num_lookahead_tokens),
@@ -107,6 +131,255 @@ class Admission:
             self.cache_private(request, st, st.padded_end(num_to_cache))
         return new_blocks
 
+    # ------------------------------------------------------------ packed layout (shared placement)
+
+    def _allocate_packed(
+        self,
+        request: Request,
+        st: RequestState,
+        total_computed: int,
+        num_new_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        delay_cache_blocks: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+    ) -> list[KVCacheBlock] | None:
+        # vLLM counts the private stream (in-context tokens, then decode): it is dense, so private
+        # blocks follow vLLM's own arithmetic.
+        num_private = -(-(total_computed + num_new_tokens) // self.block_size)
+        if not st.allocated:
+            hits = list(new_computed_blocks.blocks[0]) if new_computed_blocks else []
+            headroom = reserved_blocks + (self.watermark_blocks if has_scheduled_reqs else 0)
+            new_blocks = self.admit_packed(request, st, hits, num_private, headroom)
+        else:
+            new_blocks = self.grow_packed(request, st, num_private, reserved_blocks)
+        if new_blocks is not None and not delay_cache_blocks:
+            self.cache_packed(request, st, min(total_computed + num_new_tokens, request.num_tokens))
+        return new_blocks
+
+    def admit_packed(
+        self,
+        request: Request,
+        st: RequestState,
+        hits: list[KVCacheBlock],
+        num_private: int,
+        reserved: int,
+    ) -> list[KVCacheBlock] | None:
+        """First allocation of a packed request: private blocks, chunk placement, the table."""
+        layout, bs = st.layout, self.block_size
+        n_hit = len(hits)
+        num_private = max(num_private, layout.num_private_blocks)
+        found = self._residency(st)
+        if found is None:
+            return None
+        reused, new_chunks, residency = found
+        firsts = [layout.spans[segs[0]] for segs in new_chunks.values()]
+        compile_tokens = sum(sp.num_tokens for sp in firsts)
+        if not self.room.fits(compile_tokens, len(new_chunks)):
+            self.counters.admissions_deferred += 1  # this step's compile room is used up
+            return None
+        need = (
+            num_private
+            - n_hit
+            + self.chunk_cache.arena.new_blocks_bound(
+                sum(sp.num_tokens - sp.private_tokens for sp in firsts)
+            )
+            + sum(-(-sp.private_tokens // bs) for sp in firsts)  # compile scratch
+            + num_in_free_queue(hits)
+        )
+        protect = list(reused.values())
+        free = self.block_pool.get_num_free_blocks() - reserved
+        if need > free and need > free + self.chunk_cache.lru.evictable_blocks(protect):
+            self.counters.admissions_deferred += 1
+            return None
+        if need > free:
+            self.chunk_cache.evict_until_free(need + reserved, protect)
+
+        self.block_pool.touch(hits)
+        self._move_idle_chunks(request, st, reused, free - need)
+        for entry in reused.values():
+            self.chunk_cache.acquire(entry)
+            st.entries.append(entry)
+        compiles = self._create_packed_chunks(request, st, new_chunks, reused)
+        st.private_blocks = hits + self.block_pool.get_new_blocks(num_private - n_hit)
+        offsets = [
+            reused[sp.segment].offset if sp.segment in reused else 0 for sp in layout.chunk_spans
+        ]
+        st.set_layout(build_packed_layout(layout.segments, bs, st.private_tokens, offsets))
+        layout = st.layout
+        st.roles = [
+            BlockRole.SHARED if spec.kind is BlockKind.CHUNK_SHARED else BlockRole.PRIVATE
+            for spec in layout.blocks
+        ]
+        table = self._packed_table(st, reused)
+        install_block_table(self.tables, request.request_id, table, 0)
+        set_num_cached_blocks(self.tables, request.request_id, n_hit)
+        st.placement = SequencePlacement(
+            segment_lengths=tuple((kind, n) for kind, n in layout.segment_lengths()),
+            num_in_context=st.num_in_context,
+            packing=tuple(zip(st.private_tokens, offsets, strict=True)),
+        )
+        st.plan = RequestPlan(
+            request.request_id,
+            layout,
+            tuple(b.block_id for b in table[: layout.num_blocks]),
+            n_hit,
+            st.num_in_context - min(st.num_in_context, n_hit * bs),
+            tuple(compiles),
+            tuple(residency),
+        )
+        self.counters.count_admission(st, residency, self.settings.policy)
+        self.recent_chunk_blocks.append(
+            (
+                request.request_id,
+                [
+                    [
+                        table[i].block_id
+                        for i in range(sp.shared_first, sp.shared_first + sp.num_shared)
+                    ]
+                    for sp in layout.chunk_spans
+                ],
+            )
+        )
+        if st.pin:
+            for entry in st.entries:
+                self.chunk_cache.pin(entry)
+        self.room.add_compiles(request.request_id, compiles)
+        return table
+
+    def _move_idle_chunks(
+        self, request: Request, st: RequestState, reused: dict[int, ChunkEntry], spare: int
+    ) -> None:
+        """Move idle chunks this request uses again next to the chunks in use, when that costs
+        no extra blocks (``ChunkCache.worth_moving``) and the free blocks allow it without
+        evicting. The old blocks are held (as scratch) until the step that copies them ran."""
+        seen: set[int] = set()
+        for entry in reused.values():
+            if id(entry) in seen:
+                continue
+            seen.add(id(entry))
+            cost = self.chunk_cache.arena.new_blocks_bound(entry.num_canonical)
+            if cost > spare or not self.chunk_cache.worth_moving(entry, request.cache_salt):
+                continue
+            spare -= cost
+            old_blocks, old_offset = self.chunk_cache.move(entry, request.cache_salt)
+            st.scratch.extend(old_blocks)
+            self.moves.append(
+                ChunkMove(
+                    entry.chunk_id,
+                    entry.num_canonical,
+                    tuple(b.block_id for b in old_blocks),
+                    old_offset,
+                    tuple(entry.block_ids),
+                    entry.offset,
+                )
+            )
+
+    def take_moves(self) -> list[ChunkMove]:
+        """Chunk relocations issued in this step, once."""
+        out, self.moves = self.moves, []
+        return out
+
+    def _packed_table(self, st: RequestState, reused: dict[int, ChunkEntry]) -> list[KVCacheBlock]:
+        """The table in logical order, one entry per private run and per canonical block, then
+        the private blocks past the prompt; one reference per listing."""
+        table: list[KVCacheBlock] = []
+        listed: set[int] = set()
+        touch: list[KVCacheBlock] = []
+        for spec in st.layout.blocks:
+            if spec.kind is BlockKind.CHUNK_SHARED:
+                block = reused[spec.segment].blocks[spec.shared_index]
+                touch.append(block)
+            else:
+                block = st.private_blocks[spec.private_block]
+                if spec.private_block in listed:
+                    touch.append(block)
+                listed.add(spec.private_block)
+            table.append(block)
+        table.extend(st.private_blocks[st.layout.num_private_blocks :])
+        self.block_pool.touch(touch)
+        return table
+
+    def _create_packed_chunks(
+        self,
+        request: Request,
+        st: RequestState,
+        new_chunks: dict[ChunkId, list[int]],
+        reused: dict[int, ChunkEntry],
+    ) -> list[ChunkCompile]:
+        """Place each first-time chunk in the arena, with scratch blocks for its private tokens
+        during the compile; every occurrence acquires it. Returns the compiles."""
+        bs = self.block_size
+        compiles: list[ChunkCompile] = []
+        for chunk_id, segs in new_chunks.items():
+            span = st.layout.spans[segs[0]]
+            k = span.private_tokens
+            entry = self.chunk_cache.create(
+                chunk_id, span.num_tokens, span.num_tokens - k, request.request_id,
+                tenant=request.cache_salt,
+            )  # fmt: skip
+            scratch = self.block_pool.get_new_blocks(-(-k // bs))
+            st.scratch.extend(scratch)
+            tokens = st.layout.chunk_tokens(span)
+            alone = build_packed_layout(
+                [Segment.chunk(tokens)], bs, [k], [entry.offset], allow_trailing_chunk=True
+            )
+            block_ids = tuple(
+                entry.blocks[spec.shared_index].block_id
+                if spec.kind is BlockKind.CHUNK_SHARED
+                else scratch[spec.private_block].block_id
+                for spec in alone.blocks
+            )
+            compiles.append(
+                ChunkCompile(
+                    chunk_id, tokens, 0, block_ids, (k, entry.offset), num_scratch=len(scratch)
+                )
+            )
+            for seg in segs:
+                self.chunk_cache.acquire(entry)
+                st.entries.append(entry)
+                reused[seg] = entry
+        return compiles
+
+    def grow_packed(
+        self, request: Request, st: RequestState, num_private: int, reserved: int
+    ) -> list[KVCacheBlock] | None:
+        """Later steps (decode, or the rest of a split prefill): more private blocks, appended
+        to the private stream and to the table."""
+        missing = num_private - len(st.private_blocks)
+        if missing <= 0:
+            return []
+        free = self.block_pool.get_num_free_blocks() - reserved
+        if missing > free and missing > free + self.chunk_cache.lru.evictable_blocks(st.entries):
+            return None
+        if missing > free:
+            self.chunk_cache.evict_until_free(missing + reserved, st.entries)
+        new_blocks = self.block_pool.get_new_blocks(missing)
+        st.private_blocks.extend(new_blocks)
+        block_table(self.tables, request.request_id).extend(new_blocks)
+        return new_blocks
+
+    def cache_packed(self, request: Request, st: RequestState, num_tokens: int) -> None:
+        """Insert the full private blocks of the prompt into vLLM's prefix cache (canonical
+        blocks belong to the chunk cache and never get a request's hash)."""
+        rid = request.request_id
+        num_cached = get_num_cached_blocks(self.tables, rid)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        if num_full <= num_cached:
+            return
+        cache_private_blocks(
+            self.block_pool,
+            request,
+            st.private_blocks,
+            num_cached,
+            num_full,
+            self.block_size,
+            [True] * (num_full - num_cached),
+        )
+        set_num_cached_blocks(self.tables, rid, num_full)
+
+    # ------------------------------------------------------------ padded layout (private placement)
+
     def admit(
         self,
         request: Request,
@@ -115,53 +388,41 @@ class Admission:
         num_need_slot: int,
         reserved: int,
     ) -> list[KVCacheBlock] | None:
-        """First allocation: the whole layout at once, or nothing (the request keeps waiting)."""
+        """First allocation of a padded (private placement) request: the whole layout at once,
+        or nothing (the request keeps waiting). Chunk blocks are private, filled from the host
+        store."""
         layout, bs = st.layout, self.block_size
         n_hit = len(hits)
         num_table = max(layout.num_blocks, -(-num_need_slot // bs))
         found = self._residency(st)
         if found is None:
             return None
-        reused, new_chunks, residency = found
-        new_chunk_blocks = sum(
-            layout.spans[segs[0]].num_blocks for segs in new_chunks.values()
-        )  # canonical blocks plus one scratch block each (naive: all canonical, no scratch)
-        num_new_private = sum(
-            1
-            for i in range(n_hit, num_table)
-            if i >= len(st.roles) or st.roles[i] is not BlockRole.SHARED
-        )
-        compile_tokens = sum(layout.spans[segs[0]].num_tokens for segs in new_chunks.values())
-        if not self.room.fits(compile_tokens, len(new_chunks)):
-            self.counters.admissions_deferred += 1  # this step's compile room is used up
-            return None
-        need = num_new_private + new_chunk_blocks + num_in_free_queue(hits)
-        protect = list(reused.values())
+        _, _, residency = found
+        need = num_table - n_hit + num_in_free_queue(hits)
         free = self.block_pool.get_num_free_blocks() - reserved
-        if need > free + self.chunk_cache.lru.evictable_blocks(protect):
+        if need > free and need > free + self.chunk_cache.lru.evictable_blocks():
             self.counters.admissions_deferred += 1
             return None
         if need > free:
-            self.chunk_cache.evict_until_free(need + reserved, protect)
-
-        # Hit blocks and reused chunk blocks first, so new allocations cannot take them.
+            self.chunk_cache.evict_until_free(need + reserved)
         self.block_pool.touch(hits)
-        for entry in reused.values():
-            self.chunk_cache.acquire(entry)
-            st.entries.append(entry)
-        compiles = self._create_chunks(request, st, new_chunks, reused)
-        table = self._build_table(request, st, hits, num_table, reused)
-
-        compute = tuple(
-            i for i in range(n_hit, layout.num_blocks) if st.roles[i] is not BlockRole.SHARED
-        )
+        table = list(hits) + self.block_pool.get_new_blocks(num_table - n_hit)
+        loads = [
+            HostLoad(st.chunk_ids[spec.segment], i - layout.spans[spec.segment].first_block,
+                     table[i].block_id)
+            for i, spec in enumerate(layout.blocks)
+            if i >= n_hit and st.roles[i] is BlockRole.LOAD
+        ]  # fmt: skip
+        install_block_table(self.tables, request.request_id, table, n_hit)
+        self.host_loads.extend(loads)
+        self.counters.blocks_loaded += len(loads)
         st.plan = RequestPlan(
             request.request_id,
             layout,
             tuple(b.block_id for b in table[: layout.num_blocks]),
             n_hit,
-            compute,
-            tuple(compiles),
+            st.num_in_context - st.compact_before[n_hit],
+            (),
             tuple(residency),
         )
         self.counters.count_admission(st, residency, self.settings.policy)
@@ -174,10 +435,6 @@ class Admission:
                 ],
             )
         )
-        if st.pin:
-            for entry in st.entries:
-                self.chunk_cache.pin(entry)
-        self.room.add_compiles(request.request_id, compiles)
         return table[n_hit:]
 
     def _residency(
@@ -215,79 +472,6 @@ class Admission:
                 residency.append(Residency.COMPILE if first else Residency.IN_FLIGHT)
         return reused, new_chunks, residency
 
-    def _create_chunks(
-        self,
-        request: Request,
-        st: RequestState,
-        new_chunks: dict[ChunkId, list[int]],
-        reused: dict[int, ChunkEntry],
-    ) -> list[ChunkCompile]:
-        """Canonical blocks (and a compile scratch block) for each first-time chunk; every
-        occurrence acquires it and is added to ``reused``. Returns the compiles."""
-        layout = st.layout
-        keep_first = self.settings.policy.keeps_first_block
-        compiles: list[ChunkCompile] = []
-        for chunk_id, segs in new_chunks.items():
-            span = layout.spans[segs[0]]
-            entry = self.chunk_cache.create(
-                chunk_id,
-                span.num_tokens,
-                span.num_blocks - (0 if keep_first else 1),
-                request.request_id,
-            )
-            scratch = [] if keep_first else self.block_pool.get_new_blocks(1)
-            st.scratch.extend(scratch)
-            compiles.append(
-                ChunkCompile(
-                    chunk_id,
-                    layout.chunk_tokens(span),
-                    span.pad,
-                    (*(b.block_id for b in scratch), *entry.block_ids),
-                )
-            )
-            for _ in segs:
-                self.chunk_cache.acquire(entry)
-                st.entries.append(entry)
-            for seg in segs:
-                reused[seg] = entry
-        return compiles
-
-    def _build_table(
-        self,
-        request: Request,
-        st: RequestState,
-        hits: list[KVCacheBlock],
-        num_table: int,
-        reused: dict[int, ChunkEntry],
-    ) -> list[KVCacheBlock]:
-        """The request's table in layout order: hits, then shared canonical blocks (touched) and
-        new private blocks; installed in vLLM's bookkeeping. Queues host loads for LOAD blocks."""
-        layout, n_hit = st.layout, len(hits)
-        private = self.settings.policy.placement is Placement.PRIVATE
-        keep_first = self.settings.policy.keeps_first_block
-        table = list(hits)
-        shared_touch: list[KVCacheBlock] = []
-        loads: list[list[Any]] = []
-        for i in range(n_hit, num_table):
-            role = st.roles[i] if i < len(st.roles) else BlockRole.PRIVATE
-            if role is BlockRole.SHARED:
-                entry = reused[layout.blocks[i].segment]
-                block = canonical_block(st, entry, i, keep_first)
-                shared_touch.append(block)
-                table.append(block)
-                continue
-            block = self.block_pool.get_new_blocks(1)[0]
-            table.append(block)
-            if role is BlockRole.LOAD:
-                span = layout.spans[layout.blocks[i].segment]
-                offset = i - span.first_block if private else 0
-                loads.append([st.chunk_ids[span.segment], offset, block.block_id])
-        self.block_pool.touch(shared_touch)
-        install_block_table(self.tables, request.request_id, table, n_hit)
-        self.host_loads.extend(HostLoad(c, offset, block) for c, offset, block in loads)
-        self.counters.blocks_loaded += len(loads)
-        return table
-
     def grow(
         self, request: Request, st: RequestState, num_need_slot: int, reserved: int
     ) -> list[KVCacheBlock] | None:
@@ -297,7 +481,7 @@ class Admission:
         if missing <= 0:
             return []
         free = self.block_pool.get_num_free_blocks() - reserved
-        if missing > free + self.chunk_cache.lru.evictable_blocks(st.entries):
+        if missing > free and missing > free + self.chunk_cache.lru.evictable_blocks(st.entries):
             return None
         if missing > free:
             self.chunk_cache.evict_until_free(missing + reserved, st.entries)
@@ -362,4 +546,4 @@ class Admission:
             self.chunk_cache.release(entry)
         if st.scratch:
             self.block_pool.free_blocks(st.scratch)
-        st.entries, st.scratch, st.plan = [], [], None
+        st.entries, st.scratch, st.plan, st.private_blocks = [], [], None, []

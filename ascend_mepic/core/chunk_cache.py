@@ -1,12 +1,15 @@
-"""The chunk cache coordinator and the chunk LRU, on top of vLLM's own BlockPool.
+"""The chunk cache coordinator, the chunk arena and the chunk LRU, on vLLM's own BlockPool.
 
-A resident chunk owns its canonical blocks (every block of the chunk after the first) inside the
-same BlockPool as vLLM's prefix cache. Reference counting has two layers, both on vLLM's
+A resident chunk's canonical tokens (all but the few its requests compute in context) live in
+the same BlockPool as vLLM's prefix cache, packed back to back with other chunks' by the
+``ChunkArena``: a chunk starts where the previous one ended, so one block may hold the tail of
+one chunk and the head of the next. Reference counting has two layers, both on vLLM's
 ``KVCacheBlock.ref_cnt``:
 
-* residency: a resident chunk holds one reference on each of its blocks, so they never enter
-  vLLM's free queue while the chunk is resident, even with no request using it;
-* use: every request whose block table contains the chunk holds one more reference per block
+* residency: a resident chunk holds one reference on each block it touches, so a block never
+  enters vLLM's free queue while any chunk in it is resident, even with no request using it; it
+  is freed when the last chunk using it is evicted;
+* use: every request whose block table lists a block holds one more reference per listing
   (taken with ``BlockPool.touch``, dropped by vLLM's ordinary ``free`` of the request's blocks).
 
 ``ChunkEntry.refs`` counts the requests (occurrences) using the chunk. A chunk whose ``refs`` drops
@@ -17,7 +20,7 @@ evicted from it, least recently released first, by dropping their residency refe
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -38,6 +41,8 @@ class ChunkEntry:
     chunk_id: ChunkId
     num_tokens: int
     blocks: list[KVCacheBlock]
+    offset: int = 0  # slot of the first canonical token in ``blocks[0]``
+    num_canonical: int = 0  # canonical tokens stored (the chunk's tokens after its private ones)
     state: ChunkState = ChunkState.PENDING
     owner: str | None = None  # request that compiles it while PENDING
     refs: int = 0
@@ -48,12 +53,62 @@ class ChunkEntry:
         return [b.block_id for b in self.blocks]
 
 
+class ChunkArena:
+    """Packs chunks' canonical tokens back to back into shared blocks.
+
+    The *open* block is the last block placed, with its free tail; the next chunk starts there.
+    Each chunk takes one residency reference on every block it touches. Once every chunk in the
+    open block is gone the block is free again and the next chunk starts a new one. Tenants
+    (cache salts) never share a block: each has its own open block.
+    """
+
+    def __init__(self, block_pool: BlockPool, block_size: int) -> None:
+        self.block_pool = block_pool
+        self.block_size = block_size
+        self.open_blocks: dict[str | None, tuple[KVCacheBlock, int]] = {}  # tenant -> (block, fill)
+
+    @property
+    def open(self) -> KVCacheBlock | None:
+        """The default tenant's open block (for tests and operators)."""
+        found = self.open_blocks.get(None)
+        return found[0] if found else None
+
+    def new_blocks_bound(self, num_tokens: int) -> int:
+        """New blocks that placing ``num_tokens`` canonical tokens takes, at most, whatever
+        happens to the open block before (an eviction may free it)."""
+        return -(-num_tokens // self.block_size)
+
+    def place(self, num_tokens: int, tenant: str | None) -> tuple[list[KVCacheBlock], int]:
+        """Blocks for ``num_tokens`` canonical tokens and the slot they start at in the first."""
+        bs = self.block_size
+        self.forget_freed()
+        found = self.open_blocks.pop(tenant, None)
+        if found is not None:
+            blocks, offset = [found[0]], found[1]
+            self.block_pool.touch([found[0]])
+            rest = num_tokens - (bs - offset)
+        else:
+            blocks, offset, rest = [], 0, num_tokens
+        if rest > 0:
+            blocks.extend(self.block_pool.get_new_blocks(-(-rest // bs)))
+        end = (offset + num_tokens) % bs
+        if end:
+            self.open_blocks[tenant] = (blocks[-1], end)
+        return blocks, offset
+
+    def forget_freed(self) -> None:
+        """An open block whose chunks were all evicted is free again: forget it at once, before
+        the pool hands it to anyone else."""
+        for tenant, (block, _) in list(self.open_blocks.items()):
+            if block.ref_cnt == 0:
+                del self.open_blocks[tenant]
+
+
 class ChunkLRU:
     """Resident chunks with zero references and no pin, least recently released first."""
 
     def __init__(self) -> None:
         self._idle: OrderedDict[ChunkId, ChunkEntry] = OrderedDict()
-        self.num_blocks = 0
 
     def __len__(self) -> int:
         return len(self._idle)
@@ -64,18 +119,26 @@ class ChunkLRU:
     def add(self, entry: ChunkEntry) -> None:
         assert entry.refs == 0 and not entry.pinned and entry not in self
         self._idle[entry.chunk_id] = entry
-        self.num_blocks += len(entry.blocks)
 
     def discard(self, entry: ChunkEntry) -> None:
         if entry in self:
             del self._idle[entry.chunk_id]
-            self.num_blocks -= len(entry.blocks)
 
     def oldest_first(self) -> Iterable[ChunkEntry]:
         return list(self._idle.values())
 
     def evictable_blocks(self, protect: Iterable[ChunkEntry] = ()) -> int:
-        return self.num_blocks - sum(len(e.blocks) for e in set(protect) if e in self)
+        """Blocks evicting every idle chunk but ``protect`` would free: those no live chunk,
+        pinned chunk or request also holds (packed chunks share blocks)."""
+        protected = set(protect)
+        holders: Counter[int] = Counter()
+        blocks: dict[int, KVCacheBlock] = {}
+        for entry in self._idle.values():
+            if entry not in protected:
+                for block in entry.blocks:
+                    holders[block.block_id] += 1
+                    blocks[block.block_id] = block
+        return sum(1 for bid, n in holders.items() if blocks[bid].ref_cnt == n)
 
 
 @dataclass
@@ -85,13 +148,16 @@ class ChunkCacheStats:
     evictions: int = 0
     evicted_blocks: int = 0
     dropped_pending: int = 0
+    moves: int = 0
 
 
 class ChunkCache:
     """Chunk identity -> resident canonical blocks, reference counts and whole-chunk eviction."""
 
-    def __init__(self, block_pool: BlockPool) -> None:
+    def __init__(self, block_pool: BlockPool, block_size: int) -> None:
         self.block_pool = block_pool
+        self.arena = ChunkArena(block_pool, block_size)
+        self.residents: Counter[int] = Counter()  # block id -> chunks stored in it
         self.entries: dict[ChunkId, ChunkEntry] = {}
         self.lru = ChunkLRU()
         self.stats = ChunkCacheStats()
@@ -100,22 +166,86 @@ class ChunkCache:
     def lookup(self, chunk_id: ChunkId) -> ChunkEntry | None:
         return self.entries.get(chunk_id)
 
-    def create(self, chunk_id: ChunkId, num_tokens: int, num_blocks: int, owner: str) -> ChunkEntry:
-        """Allocate canonical blocks for a first-time chunk; they carry the residency reference."""
-        assert chunk_id not in self.entries
-        entry = ChunkEntry(chunk_id, num_tokens, self.block_pool.get_new_blocks(num_blocks))
-        entry.owner = owner
+    def _place(
+        self, chunk_id: ChunkId, num_tokens: int, num_canonical: int, tenant: str | None
+    ) -> ChunkEntry:
+        assert chunk_id not in self.entries and 0 < num_canonical <= num_tokens
+        blocks, offset = self.arena.place(num_canonical, tenant)
+        self.residents.update(b.block_id for b in blocks)
+        entry = ChunkEntry(chunk_id, num_tokens, blocks, offset, num_canonical)
         self.entries[chunk_id] = entry
+        return entry
+
+    def create(
+        self,
+        chunk_id: ChunkId,
+        num_tokens: int,
+        num_canonical: int,
+        owner: str,
+        tenant: str | None = None,
+    ) -> ChunkEntry:
+        """Place a first-time chunk's canonical tokens; its blocks carry the residency reference."""
+        entry = self._place(chunk_id, num_tokens, num_canonical, tenant)
+        entry.owner = owner
         self._pending.append(entry)
         return entry
 
-    def create_loading(self, chunk_id: ChunkId, num_tokens: int, num_blocks: int) -> ChunkEntry:
-        """Allocate canonical blocks for a chunk the worker loads from the tier this step."""
-        assert chunk_id not in self.entries
-        entry = ChunkEntry(chunk_id, num_tokens, self.block_pool.get_new_blocks(num_blocks))
+    def create_loading(
+        self, chunk_id: ChunkId, num_tokens: int, num_canonical: int, tenant: str | None = None
+    ) -> ChunkEntry:
+        """Place a chunk the worker loads from the tier this step."""
+        entry = self._place(chunk_id, num_tokens, num_canonical, tenant)
         entry.state = ChunkState.LOADING
-        self.entries[chunk_id] = entry
         return entry
+
+    def _free(self, entry: ChunkEntry) -> None:
+        self._unrecord(entry.blocks)
+        self.block_pool.free_blocks(entry.blocks)
+        self.arena.forget_freed()
+
+    def _unrecord(self, blocks: list[KVCacheBlock]) -> None:
+        self.residents.subtract(b.block_id for b in blocks)
+        for b in blocks:
+            if self.residents[b.block_id] <= 0:
+                del self.residents[b.block_id]
+
+    def in_use(self, block: KVCacheBlock) -> bool:
+        """Whether a request lists this block (beyond the chunks stored in it)."""
+        return block.ref_cnt > self.residents.get(block.block_id, 0)
+
+    def worth_moving(self, entry: ChunkEntry, tenant: str | None) -> bool:
+        """Should an idle chunk about to be used again move to the tenant's open block?
+
+        Used in place, each of its blocks that nobody uses now (its neighbours are idle too)
+        becomes a used block carrying idle data; moved, it takes new blocks packed after the
+        chunks placed last, which are usually in use. Move when that costs no more blocks: live
+        chunks then gather, and idle ones are left in blocks nobody uses.
+        """
+        if entry.refs or entry.state is not ChunkState.READY:
+            return False
+        bs = self.arena.block_size
+        self.arena.forget_freed()
+        found = self.arena.open_blocks.get(tenant)
+        if found is not None and any(b is found[0] for b in entry.blocks):
+            return False  # it was placed last: it is already where a move would put it
+        benefit = sum(1 for b in entry.blocks if not self.in_use(b))
+        if found is None:
+            cost = -(-entry.num_canonical // bs)
+        else:
+            block, fill = found
+            cost = -(-(fill + entry.num_canonical) // bs) - (1 if self.in_use(block) else 0)
+        return benefit >= cost
+
+    def move(self, entry: ChunkEntry, tenant: str | None) -> tuple[list[KVCacheBlock], int]:
+        """Place an idle chunk anew; returns its old (blocks, offset). The caller holds the old
+        blocks' residency references until the worker has copied the KV, then frees them."""
+        assert entry.refs == 0 and entry.state is ChunkState.READY
+        old = (entry.blocks, entry.offset)
+        self._unrecord(entry.blocks)
+        entry.blocks, entry.offset = self.arena.place(entry.num_canonical, tenant)
+        self.residents.update(b.block_id for b in entry.blocks)
+        self.stats.moves += 1
+        return old
 
     def finish_loading(self, entry: ChunkEntry, ok: bool) -> None:
         """A verified load makes the chunk resident (idle until used); a failed one is dropped."""
@@ -126,7 +256,7 @@ class ChunkCache:
                 self.lru.add(entry)
             return
         del self.entries[entry.chunk_id]
-        self.block_pool.free_blocks(entry.blocks)
+        self._free(entry)
 
     def acquire(self, entry: ChunkEntry) -> None:
         """One more request uses the chunk (the caller touches the blocks themselves)."""
@@ -153,7 +283,7 @@ class ChunkCache:
             self._pending.remove(entry)
             del self.entries[entry.chunk_id]
             self.stats.dropped_pending += 1
-            self.block_pool.free_blocks(entry.blocks)
+            self._free(entry)
 
     def pin(self, entry: ChunkEntry) -> None:
         self.lru.discard(entry)
@@ -171,8 +301,9 @@ class ChunkCache:
         self.lru.discard(entry)
         del self.entries[entry.chunk_id]
         self.stats.evictions += 1
-        self.stats.evicted_blocks += len(entry.blocks)
-        self.block_pool.free_blocks(entry.blocks)
+        before = self.block_pool.get_num_free_blocks()
+        self._free(entry)
+        self.stats.evicted_blocks += self.block_pool.get_num_free_blocks() - before
 
     def evict_until_free(self, num_free: int, protect: Iterable[ChunkEntry] = ()) -> None:
         """Evict whole idle chunks, oldest first, until the pool has ``num_free`` free blocks."""
@@ -188,12 +319,22 @@ class ChunkCache:
             self.evict(entry)
 
     def num_blocks(self, referenced: bool) -> int:
-        """Canonical blocks of chunks in use (or pinned) if ``referenced``, else of idle ones."""
-        idle = self.lru.num_blocks
-        return sum(len(e.blocks) for e in self.entries.values()) - idle if referenced else idle
+        """Distinct canonical blocks of chunks in use (or pinned) if ``referenced``; else the
+        blocks only idle chunks hold (a block shared with a live chunk counts as live)."""
+        live = {b.block_id for e in self.entries.values() if e not in self.lru for b in e.blocks}
+        if referenced:
+            return len(live)
+        idle = {b.block_id for e in self.lru.oldest_first() for b in e.blocks}
+        return len(idle - live)
 
     def num_pinned_blocks(self) -> int:
-        return sum(len(e.blocks) for e in self.entries.values() if e.pinned)
+        return len({b.block_id for e in self.entries.values() if e.pinned for b in e.blocks})
+
+    def slot_utilisation(self) -> float:
+        """Canonical tokens stored / slots of the blocks holding them (1.0: no padding)."""
+        blocks = {b.block_id for e in self.entries.values() for b in e.blocks}
+        tokens = sum(e.num_canonical for e in self.entries.values())
+        return tokens / (len(blocks) * self.arena.block_size) if blocks else 0.0
 
     @property
     def pending(self) -> list[ChunkEntry]:

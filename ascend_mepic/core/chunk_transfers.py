@@ -1,7 +1,7 @@
 """Chunk KV moving between the pool and storage outside it: the host store and the off-device tier.
 
-* ``HostStoreStaging``: policies that copy chunk KV into private blocks (private placement and
-  mepic-K) need every chunk of a request in the host store before the request is tracked. A
+* ``HostStoreStaging``: policies that copy chunk KV into private blocks (private placement) need
+  every chunk of a request in the host store before the request is tracked. A
   missing chunk is compiled once into temporary blocks the worker saves from after the forward.
 * ``TierTransfers``: with the LMCache tier configured, a chunk missing from the pool but in the
   tier is loaded (when loading beats compiling) into new canonical blocks, and a compile's
@@ -73,11 +73,7 @@ class HostStoreStaging:
             if chunk_id in self.pending:
                 continue
             tokens = layout.chunk_tokens(span)
-            if policy.kind == "mepic-k":  # only the canonical first block is stored
-                first = span.num_tokens - layout.block_size * (span.num_blocks - 1)
-                tokens, num_blocks = tokens[:first], 1
-            else:
-                num_blocks = span.num_blocks
+            num_blocks = span.num_blocks
             dummy = (self.settings.dummy_token_id,) * policy.dummy_tokens
             table_len = num_blocks + (1 if dummy else 0)
             if (
@@ -164,16 +160,18 @@ class TierTransfers:
                     self.counters.tier_decided_compute += 1
         return wanted
 
-    def stage_loads(self, layout: Layout, chunk_ids: dict[int, ChunkId | None]) -> None:
+    def stage_loads(
+        self, layout: Layout, chunk_ids: dict[int, ChunkId | None], tenant: str | None = None
+    ) -> None:
         """Issue loads for a staged request's chunks that are in the tier but not in the pool.
 
-        Each load allocates the chunk's canonical blocks (state LOADING: no request may use
-        them) and a scratch block for its 1-token carrier sequence, within this step's sequence
-        room and free blocks; a load that does not fit waits for a later step.
+        Each load places the chunk's canonical tokens in the chunk arena (state LOADING: no
+        request may use them) and takes a scratch block for its 1-token carrier sequence, within
+        this step's sequence room and free blocks; a load that does not fit waits for a later
+        step. ``layout`` is packed (the tier serves shared placement).
         """
         tier = self.settings.tier
         assert tier is not None
-        keep_first = self.settings.policy.keeps_first_block
         for span in layout.chunk_spans:
             chunk_id = chunk_ids[span.segment]
             if chunk_id is None or self.chunk_cache.lookup(chunk_id) is not None:
@@ -181,23 +179,26 @@ class TierTransfers:
             backend = tier.where(chunk_id)
             if backend is None or not tier.should_load(backend):
                 continue
-            num_blocks = span.num_blocks - (0 if keep_first else 1)
-            need = num_blocks + 1
+            num_canonical = span.num_tokens - span.private_tokens
+            need = self.chunk_cache.arena.new_blocks_bound(num_canonical) + 1
             free = self.block_pool.get_num_free_blocks() - self.watermark_blocks
             if not self.room.fits(1, 1) or need > free + self.chunk_cache.lru.evictable_blocks():
                 self.counters.admissions_deferred += 1
                 continue
             if need > free:
                 self.chunk_cache.evict_until_free(need + self.watermark_blocks)
-            entry = self.chunk_cache.create_loading(chunk_id, span.num_tokens, num_blocks)
+            entry = self.chunk_cache.create_loading(
+                chunk_id, span.num_tokens, num_canonical, tenant
+            )
             scratch = self.block_pool.get_new_blocks(1)[0]
             self._load_seq += 1
             load = TierLoad(
                 f"mepic-load-{self._load_seq}-{chunk_id[:16]}",
                 chunk_id,
                 tuple(entry.block_ids),
-                span.num_tokens,
+                num_canonical,
                 scratch.block_id,
+                offset=entry.offset,
             )
             self.step_loads.append(load)
             self.in_flight[load.io_id] = (load, scratch)

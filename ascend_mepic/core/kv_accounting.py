@@ -52,22 +52,8 @@ class MepicCounters:
         self.chunk_hits += sum(r in (Residency.RESIDENT, Residency.IN_FLIGHT) for r in residency)
         self.chunk_misses += sum(r is Residency.COMPILE for r in residency)
         assert st.plan is not None
-        if policy.kind == "mepic":
-            computed = st.plan.num_compute_tokens
-            reused = st.plan.num_reused_tokens
-        else:
-            in_context = st.num_in_context - st.compact_before[st.plan.num_prefix_hit_blocks]
-            computed = in_context + sum(len(x.token_ids) for x in st.plan.compiles)
-            # A compile's first-block tokens are also recomputed in context, unless the policy
-            # keeps the canonical first block (naive).
-            overlap = 0 if policy.keeps_first_block else st.layout.block_size
-            reused = (
-                st.layout.num_real_tokens
-                - in_context
-                - sum(len(x.token_ids) - max(0, overlap - x.pad) for x in st.plan.compiles)
-            )
-        self.tokens_computed += computed
-        self.tokens_reused += reused
+        self.tokens_computed += st.plan.num_compute_tokens
+        self.tokens_reused += st.plan.num_reused_tokens
 
 
 class KVAccounting:
@@ -101,7 +87,8 @@ class KVAccounting:
 
     def num_used_blocks(self) -> int:
         free = self.block_pool.get_num_free_blocks()
-        return num_usable_blocks(self.block_pool) - free - self.chunk_cache.lru.num_blocks
+        idle = self.chunk_cache.num_blocks(referenced=False)
+        return num_usable_blocks(self.block_pool) - free - idle
 
     def block_categories(self) -> dict[str, int]:
         """Every usable block in exactly one category (they add up to the pool size minus one)."""
@@ -115,6 +102,8 @@ class KVAccounting:
         chunk_first, chunk_private = set(), 0
         for rid, st in self.states.items():
             table = block_table_or_empty(self.tables, rid)
+            if st.layout.packed:  # private blocks mix prompt and chunk tokens: all prompt_private
+                continue
             for spec in st.layout.blocks[: len(table)]:
                 if st.roles[spec.index] is BlockRole.SHARED:
                     continue
@@ -127,7 +116,7 @@ class KVAccounting:
             "free": self.block_pool.get_num_free_blocks() - prefix_cached_free,
             "prefix_cached": prefix_cached_free,
             "chunk_shared_referenced": referenced_chunk,
-            "chunk_shared_idle": self.chunk_cache.lru.num_blocks,
+            "chunk_shared_idle": self.chunk_cache.num_blocks(referenced=False),
             "chunk_first_private": len(chunk_first),
             "chunk_private": chunk_private,
             "compile_scratch": scratch,

@@ -3,11 +3,14 @@
 Requests without MEPIC segments go through vLLM's own code unchanged. For a MEPIC request (one
 registered with ``track``) the manager builds its block table from the canonical layout:
 
-* private blocks (prompt blocks and every chunk's first block) go through vLLM's prefix cache,
-  keyed by a hash chain over the padded tokens plus a layout key per block;
-* a chunk's blocks after the first are the chunk's canonical blocks, shared through the
-  ``ChunkCache``; a first-time chunk gets new canonical blocks plus a scratch block for its
-  compile, and becomes READY when the next step starts (its compile ran in this one).
+* shared placement (MEPIC, naive) uses the packed layout: the request's private stream (prompt
+  tokens and each chunk's first tokens, then decode) is packed into private blocks that go
+  through vLLM's prefix cache under chained hashes naming the chunks in between; each chunk's
+  canonical tokens are the ``ChunkCache``'s, packed back to back with other chunks' in shared
+  blocks; a first-time chunk is compiled in the admitting step and becomes READY when the next
+  step starts;
+* private placement (the baselines) uses the padded layout: every chunk block is a private block
+  filled from the host store.
 
 Everything lives in the one BlockPool vLLM built. The request's table is stored in vLLM's own
 single-type manager (``req_to_blocks``), so ``get_blocks``, ``free`` and the scheduler's
@@ -48,7 +51,14 @@ from ascend_mepic.core.hit_lookup import HitLookup
 from ascend_mepic.core.identity import ChunkId
 from ascend_mepic.core.kv_accounting import KVAccounting, MepicCounters
 from ascend_mepic.core.kv_settings import KVSettings
-from ascend_mepic.core.plan import ChunkCompile, HostLoad, RequestPlan, SequencePlacement, TierLoad
+from ascend_mepic.core.plan import (
+    ChunkCompile,
+    ChunkMove,
+    HostLoad,
+    RequestPlan,
+    SequencePlacement,
+    TierLoad,
+)
 from ascend_mepic.core.policies import Policy
 from ascend_mepic.core.request_intake import (
     BlockRole,
@@ -87,7 +97,6 @@ class MepicKVCacheManager(KVCacheManager):
         self._check_supported(self.kv_cache_config)
         self.hash_fn = hash_fn
         self.model_fingerprint = model_fingerprint
-        self.chunk_cache = ChunkCache(self.block_pool)
         self.counters = MepicCounters()
         self.settings = KVSettings()
         # Chunk compiles run as extra sequences in the admitting step; the scheduler reserves room
@@ -97,6 +106,7 @@ class MepicKVCacheManager(KVCacheManager):
         self._states: dict[str, RequestState] = {}
         self._single = request_tables(self)  # vLLM's holder of the request block tables
         self.mepic_block_size = table_block_size(self._single)
+        self.chunk_cache = ChunkCache(self.block_pool, self.mepic_block_size)
         common: dict[str, Any] = dict(
             settings=self.settings, block_pool=self.block_pool, chunk_cache=self.chunk_cache
         )
@@ -264,9 +274,12 @@ class MepicKVCacheManager(KVCacheManager):
         """Must a request wait for tier loads? ``count``: record the decisions."""
         return self.tier_transfers.wanted(chunk_ids, count)
 
-    def stage_tier_loads(self, layout: Layout, chunk_ids: dict[int, ChunkId | None]) -> None:
-        """Issue loads for a staged request's chunks that are in the tier but not in the pool."""
-        self.tier_transfers.stage_loads(layout, chunk_ids)
+    def stage_tier_loads(
+        self, layout: Layout, chunk_ids: dict[int, ChunkId | None], tenant: str | None = None
+    ) -> None:
+        """Issue loads for a staged request's chunks that are in the tier but not in the pool
+        (placed in ``tenant``'s blocks: the request's cache salt)."""
+        self.tier_transfers.stage_loads(layout, chunk_ids, tenant)
 
     def take_step_loads(self) -> list[TierLoad]:
         return self.tier_transfers.take_step_loads()
@@ -282,6 +295,10 @@ class MepicKVCacheManager(KVCacheManager):
     def take_step_compiles(self) -> list[tuple[str, ChunkCompile]]:
         """(request id, compile) for every chunk first allocated in this step, once."""
         return self.room.take_compiles()
+
+    def take_chunk_moves(self) -> list[ChunkMove]:
+        """Chunk relocations issued in this step, once (the worker copies them first)."""
+        return self.admission.take_moves()
 
     def take_host_loads(self) -> list[HostLoad]:
         """Host-store copies into private blocks allocated in this step, once."""
@@ -309,6 +326,8 @@ class MepicKVCacheManager(KVCacheManager):
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         hits = self.lookup.longest_hit(request, st)
+        if st.layout.packed:  # hits are private blocks of the dense private stream
+            return self.create_kv_cache_blocks((hits,)), len(hits) * self.mepic_block_size, 0
         return self.create_kv_cache_blocks((hits,)), st.compact_before[len(hits)], 0
 
     def allocate_slots(
@@ -361,6 +380,8 @@ class MepicKVCacheManager(KVCacheManager):
         st = self._states.get(request.request_id)
         if st is None:
             super().cache_blocks(request, num_computed_tokens)
+        elif st.allocated and self.enable_caching and st.layout.packed:
+            self.admission.cache_packed(request, st, num_computed_tokens)
         elif st.allocated and self.enable_caching:
             self.admission.cache_private(request, st, st.padded_end(num_computed_tokens))
 
@@ -373,6 +394,7 @@ class MepicKVCacheManager(KVCacheManager):
         compiled its chunks leaves them resident (idle) rather than dropping them.
         """
         self.admission.commit_compiled()
+        self.admission.moves = []  # sent with the step that ran (kvsim has no worker to send to)
         self.staging.step_finished()  # the worker saved the host-store compiles after the forward
         self.admission.free_scratch(self._states.values())
 

@@ -21,19 +21,33 @@ class Residency(str, enum.Enum):
 class ChunkCompile:
     """Compute a chunk alone, from position 0, as its own sequence.
 
-    ``block_ids[0]`` is a scratch block for the (padded) first block; ``block_ids[1:]`` become the
-    chunk's canonical shared blocks. Its pads are the first ``pad`` slots of the scratch block.
+    Shared placement (``packing`` set): the compile's table is its packed layout's, entry by
+    entry: its first ``private_tokens`` tokens go to scratch blocks, the rest (the canonical
+    tokens) to the chunk cache's blocks from slot ``offset`` on. Host-store compiles (private
+    placement) use the padded layout: ``pad`` leading pad slots, every block saved afterwards.
     """
 
     chunk_id: ChunkId
     token_ids: tuple[int, ...]
     pad: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # one per table entry
+    packing: tuple[int, int] | None = None  # (private tokens, offset) of a shared compile
+    num_scratch: int = 0  # shared compile: leading entries in scratch blocks
     # Private-placement and mepic-K compiles: leading dummy tokens (LegoLink-0) in a block of
     # their own, and how many trailing blocks the worker saves to the host store afterwards.
     dummy_tokens: tuple[int, ...] = ()
     store_blocks: int = 0
     store_scores: bool = False
+
+    @property
+    def canonical_block_ids(self) -> tuple[int, ...]:
+        """A shared compile's blocks in the chunk cache (its canonical tokens), in order."""
+        return self.block_ids[self.num_scratch :]
+
+    @property
+    def num_canonical(self) -> int:
+        """Tokens this compile adds to the chunk cache (0 for a host-store compile)."""
+        return len(self.token_ids) - self.packing[0] if self.packing else 0
 
     @property
     def segment_lengths(self) -> list[list]:
@@ -53,41 +67,42 @@ class TierLoad:
     io_id: str
     chunk_id: ChunkId
     block_ids: tuple[int, ...]
-    num_tokens: int
+    num_tokens: int  # canonical tokens, stored from slot ``offset`` of ``block_ids[0]`` on
     scratch_block_id: int
+    offset: int = 0
 
 
 @dataclass(frozen=True)
 class RequestPlan:
     """Block table and work for one request's prompt.
 
-    ``block_ids[i]`` holds layout block ``i``. ``compute_blocks`` are the layout blocks the worker
-    computes in the request's context (prompt blocks and every chunk's first block that missed the
-    prefix cache); chunk blocks after the first are never computed in context. ``compiles`` must
-    run no later than the step that computes the first token after their chunk.
+    ``block_ids[i]`` holds layout entry ``i`` (a packed layout may list a private block several
+    times, and a canonical block of the chunk cache beside other chunks' tokens).
+    ``num_in_context_computed`` in-context tokens are computed in the request's context (those
+    not found in vLLM's prefix cache); canonical chunk tokens never are. ``compiles`` must run no
+    later than the step that computes the first token after their chunk.
     """
 
     request_id: str
     layout: Layout
     block_ids: tuple[int, ...]
-    num_prefix_hit_blocks: int
-    compute_blocks: tuple[int, ...]
+    num_prefix_hit_blocks: int  # private blocks found in vLLM's prefix cache
+    num_in_context_computed: int
     compiles: tuple[ChunkCompile, ...]
     residency: tuple[Residency, ...]  # one per chunk segment, in order
 
     @property
     def num_compute_tokens(self) -> int:
-        """Real tokens computed for this request: in-context blocks plus compiles."""
-        in_context = sum(self.layout.blocks[i].num_valid for i in self.compute_blocks)
-        return in_context + sum(len(c.token_ids) for c in self.compiles)
+        """Real tokens computed for this request: in context plus its compiles."""
+        return self.num_in_context_computed + sum(
+            len(c.token_ids) + len(c.dummy_tokens) for c in self.compiles
+        )
 
     @property
     def num_reused_tokens(self) -> int:
-        """Real prompt tokens whose KV came from the cache (prefix hits or resident chunks)."""
-        bs = self.layout.block_size
-        in_context = sum(self.layout.blocks[i].num_valid for i in self.compute_blocks)
-        compiled_shared = sum(len(c.token_ids) - (bs - c.pad) for c in self.compiles)
-        return self.layout.num_real_tokens - in_context - compiled_shared
+        """Real prompt tokens whose KV came from a cache (prefix hits or resident chunks)."""
+        compiled = sum(c.num_canonical for c in self.compiles)
+        return self.layout.num_real_tokens - self.num_in_context_computed - compiled
 
 
 @dataclass(frozen=True)
@@ -106,6 +121,9 @@ class SequencePlacement:
     compile: bool = False
     fresh_slots: tuple[int, ...] | None = None
     blend: tuple[float, int] | None = None  # CacheBlend: (ratio, check layer)
+    # Packed layout (shared placement): per chunk, (private tokens, slot its canonical tokens
+    # start at in its first canonical block); None: the padded layout.
+    packing: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +143,20 @@ class ChunkSave:
     block_ids: tuple[int, ...]
     num_tokens: int
     with_scores: bool = False  # host store: CacheTune's low-frequency scores
+    offset: int = 0  # tier: the canonical tokens start at this slot of ``block_ids[0]``
+
+
+@dataclass(frozen=True)
+class ChunkMove:
+    """Copy a chunk's canonical tokens to where the chunk arena placed it anew, before the
+    forward pass (the old blocks stay held until the step has run)."""
+
+    chunk_id: ChunkId
+    num_tokens: int
+    src_block_ids: tuple[int, ...]
+    src_offset: int
+    dst_block_ids: tuple[int, ...]
+    dst_offset: int
 
 
 @dataclass(frozen=True)
@@ -141,3 +173,4 @@ class StepPlan:
     host_saves: tuple[ChunkSave, ...] = ()
     tier_puts: tuple[ChunkSave, ...] = ()
     tier_loads: tuple[TierLoad, ...] = ()
+    chunk_moves: tuple[ChunkMove, ...] = ()  # run first, before any load or the forward

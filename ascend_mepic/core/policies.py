@@ -9,10 +9,11 @@ policy         placement  fresh chunk tokens
 ============== ========== ================================================================
 full           none       all (segments ignored: a plain prompt, no prefix caching)
 prefix         none       all (a plain prompt through vLLM's prefix cache)
-naive          shared     none (every chunk block, the first included, is canonical)
-mepic          shared     the first block's real tokens (single-block chunks: all)
-mepic-K        shared     the first K real tokens; the first block is private, the rest of it
-                          copied from the chunk's canonical first block (kept off the pool)
+naive          shared     none (every chunk token is canonical)
+mepic          shared     the first 16 tokens (EPIC's setting), at any block size
+mepic-K        shared     the first K tokens
+mepic-block    shared     the first block's real tokens of the paper's padded layout, i.e.
+                          ``L - B * (ceil(L / B) - 1)`` (the paper's policy, for reproduction)
 epic-K         private    the first K tokens of every chunk but the request's first (LegoLink-K)
 legolink-0     private    none; the chunk is compiled after 4 dummy (BOS) tokens, whose KV is
                           discarded
@@ -22,7 +23,10 @@ cachetune-R    private    the top R% of each chunk by low-frequency KV energy, s
                           when the chunk is compiled (one set for all layers)
 ============== ========== ================================================================
 
-*Shared* placement keeps canonical blocks in the device pool, referenced by every request. *Private*
+*Shared* placement keeps canonical KV in the device pool, referenced by every request, in the
+packed layout (``segments.build_packed_layout``): a request's in-context tokens (prompt and each
+chunk's first tokens) are packed into its private blocks, and each chunk's canonical tokens are
+stored once, packed back to back with other chunks' in shared blocks. *Private*
 placement is what the baselines do in their own systems: the canonical KV lives off the device pool
 (``host_store``) and every request copies it into its own blocks. This module is scheduling path:
 no tensors.
@@ -44,9 +48,11 @@ class Placement(str, enum.Enum):
 
 LEGOLINK_DUMMY_TOKENS = 4
 CACHEBLEND_CHECK_LAYER = 1
+MEPIC_DEFAULT_K = 16  # EPIC's setting: tokens of each chunk recomputed in the request's context
 
 _PATTERN = re.compile(
-    r"^(?P<kind>full|prefix|naive|mepic|legolink|epic|cacheblend|cachetune)(?:-(?P<arg>\d+))?$"
+    r"^(?P<kind>full|prefix|naive|mepic-block|mepic|legolink|epic|cacheblend|cachetune)"
+    r"(?:-(?P<arg>\d+))?$"
 )
 
 
@@ -54,7 +60,7 @@ _PATTERN = re.compile(
 class Policy:
     name: str
     kind: str
-    k: int = 0  # mepic-K / epic-K: tokens recomputed per chunk
+    k: int = 0  # mepic / mepic-K / epic-K: tokens recomputed per chunk
     ratio: float = 0.0  # cacheblend-R / cachetune-R: R / 100
     check_layer: int = CACHEBLEND_CHECK_LAYER
 
@@ -62,19 +68,30 @@ class Policy:
     def placement(self) -> Placement:
         if self.kind in ("full", "prefix"):
             return Placement.NONE
-        if self.kind in ("naive", "mepic", "mepic-k"):
+        if self.kind in ("naive", "mepic", "mepic-block"):
             return Placement.SHARED
         return Placement.PRIVATE
 
     @property
-    def keeps_first_block(self) -> bool:
-        """The chunk's shared pool entry holds its first block too (naive reuses it as is)."""
-        return self.kind == "naive"
+    def packed(self) -> bool:
+        """Requests use the packed layout (shared placement); others the padded one."""
+        return self.placement is Placement.SHARED
 
     @property
     def loads_kv(self) -> bool:
         """Requests copy canonical KV into their own blocks, so chunks must be computed first."""
-        return self.placement is Placement.PRIVATE or self.kind == "mepic-k"
+        return self.placement is Placement.PRIVATE
+
+    def private_tokens(self, num_tokens: int, block_size: int) -> int:
+        """Shared placement: how many leading tokens of a chunk are computed in context."""
+        n = num_tokens
+        if self.kind == "naive":
+            return 0
+        if self.kind == "mepic":
+            return min(self.k, n)
+        if self.kind == "mepic-block":
+            return n - block_size * (-(-n // block_size) - 1)
+        raise AssertionError(f"{self.name} does not use the packed layout")
 
     @property
     def dummy_tokens(self) -> int:
@@ -101,15 +118,12 @@ class Policy:
         For CacheBlend these are the tokens computed up to the check layer (all of them).
         """
         n = num_tokens
-        first_block = n - block_size * (-(-n // block_size) - 1)
         if self.kind in ("full", "prefix", "cacheblend"):
             return list(range(n))
-        if self.kind in ("naive", "legolink"):
+        if self.packed:
+            return list(range(self.private_tokens(n, block_size)))
+        if self.kind == "legolink":
             return []
-        if self.kind == "mepic":
-            return list(range(first_block))
-        if self.kind == "mepic-k":
-            return list(range(n if n <= block_size else min(self.k, first_block)))
         if self.kind == "epic":
             return [] if chunk_index == 0 else list(range(min(self.k, n)))
         if self.kind == "cachetune":
@@ -120,9 +134,10 @@ class Policy:
         raise AssertionError(self.kind)
 
     def chunk_is_cached(self, num_tokens: int, block_size: int) -> bool:
-        """Whether a chunk of this length gets a cache identity (mepic: only multi-block)."""
-        if self.kind in ("mepic", "mepic-k"):
-            return num_tokens > block_size
+        """Whether a chunk of this length gets a cache identity (shared placement: only if it
+        has canonical tokens left after its private ones)."""
+        if self.packed:
+            return self.private_tokens(num_tokens, block_size) < num_tokens
         return self.placement is not Placement.NONE
 
 
@@ -148,13 +163,17 @@ def parse_policy(name: str) -> Policy:
         if arg != "0":
             raise ValueError("only legolink-0 is a separate policy; LegoLink-K is epic-K")
         return Policy("legolink-0", "legolink")
+    if kind == "mepic-block":
+        if arg is not None:
+            raise ValueError("policy 'mepic-block' takes no number")
+        return Policy("mepic-block", "mepic-block")
     if kind == "mepic":
         if arg is None:
-            return Policy("mepic", "mepic")
+            return Policy("mepic", "mepic", k=MEPIC_DEFAULT_K)
         k = int(arg)
         if k < 1:
-            raise ValueError("mepic-K needs K >= 1")
-        return Policy(f"mepic-{k}", "mepic-k", k=k)
+            raise ValueError("mepic-K needs K >= 1 (K = 0 is the 'naive' policy)")
+        return Policy(f"mepic-{k}", "mepic", k=k)
     if kind == "epic":
         return Policy(f"epic-{int(arg)}", "epic", k=int(arg))
     if kind in ("cacheblend", "cachetune"):
@@ -171,6 +190,7 @@ POLICY_NAMES = (
     "naive",
     "mepic",
     "mepic-K",
+    "mepic-block",
     "epic-K",
     "legolink-0",
     "cacheblend-R",

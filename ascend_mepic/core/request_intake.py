@@ -29,7 +29,12 @@ from ascend_mepic.core.segments import (
     PIN_KEY,
     BlockKind,
     Layout,
+    Segment,
+    SegmentKind,
+    build_layout,
+    build_packed_layout,
     layout_from_real,
+    segments_from_real,
 )
 from ascend_mepic.core.step_room import StepRoom
 from ascend_mepic.vllm_integration.kv_cache import num_usable_blocks, set_block_hashes
@@ -58,6 +63,21 @@ class RequestState:
     scratch: list[KVCacheBlock] = field(default_factory=list)
     plan: RequestPlan | None = None
     pin: bool = False  # pin this request's chunks once allocated (explicit chunk API)
+    # Packed layout: each chunk's private token count, and the request's private blocks in
+    # private-stream order (in-context token i, then decode tokens, sit in block i // B).
+    private_tokens: list[int] = field(default_factory=list)
+    private_blocks: list[KVCacheBlock] = field(default_factory=list)
+
+    def set_layout(self, layout: Layout) -> None:
+        """(Re)lay the request out: a packed layout is final only once its chunks are placed."""
+        self.layout = layout
+        self.compact_slots = layout.in_context_slots()
+        before = [0] * (layout.num_blocks + 1)
+        for slot in self.compact_slots:
+            before[slot // layout.block_size + 1] += 1
+        for i in range(layout.num_blocks):
+            before[i + 1] += before[i]
+        self.compact_before = before
 
     @property
     def allocated(self) -> bool:
@@ -96,6 +116,46 @@ def mepic_block_hashes(
             extra = (cache_salt, *extra)
         tokens = padded_token_ids[spec.index * bs : (spec.index + 1) * bs]
         parent = hash_block_tokens(hash_fn, parent, tokens, extra)
+        hashes.append(parent)
+    return hashes
+
+
+def packed_block_hashes(
+    layout: Layout,
+    chunk_ids: dict[int, ChunkId | None],
+    hash_fn: Callable[[Any], bytes],
+    cache_salt: str | None,
+    policy: str,
+) -> list[BlockHash]:
+    """Prefix-chained hashes of a packed layout's full private blocks.
+
+    A private block's KV depends on every real token before its last one, including the chunks'
+    canonical tokens between private runs; those are named by chunk identity. So each hash chains
+    the block's tokens with the segments that start before the block ends (kind, length, private
+    tokens, chunk identity), beside the policy (and the salt on the first block).
+    """
+    bs = layout.block_size
+    stream = layout.private_token_ids()
+    starts: list[tuple[int, tuple[Any, ...]]] = []  # (stream index, segment signature)
+    done = 0
+    for span in layout.spans:
+        starts.append(
+            (done, (span.kind.value, span.num_tokens, span.private_tokens,
+                    chunk_ids.get(span.segment) if span.kind is SegmentKind.CHUNK else None))
+        )  # fmt: skip
+        done += span.num_tokens if span.kind is SegmentKind.PROMPT else span.private_tokens
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    seen = 0
+    for p in range(len(stream) // bs):
+        new: list[tuple[Any, ...]] = []
+        while seen < len(starts) and starts[seen][0] < (p + 1) * bs:
+            new.append(starts[seen][1])
+            seen += 1
+        extra: tuple[Any, ...] = (policy, "packed", tuple(new))
+        if p == 0 and cache_salt:
+            extra = (cache_salt, *extra)
+        parent = hash_block_tokens(hash_fn, parent, stream[p * bs : (p + 1) * bs], extra)
         hashes.append(parent)
     return hashes
 
@@ -142,33 +202,36 @@ class RequestIntake:
             raise MepicUnsupportedError("prompt logprobs are not supported for MEPIC requests")
         if request.num_computed_tokens or request.num_output_tokens:
             raise MepicUnsupportedError("a MEPIC request must be registered before it runs")
-        layout = layout_from_real(
-            list(request.prompt_token_ids or []), extra[EXTRA_ARGS_KEY], self.block_size
-        )
-        if layout.num_padded_tokens >= self.max_model_len:
-            raise MepicCapacityError(
-                f"padded prompt of {layout.num_padded_tokens} tokens leaves no room in the "
-                f"model's max_model_len {self.max_model_len}"
-            )
+        segments = segments_from_real(list(request.prompt_token_ids or []), extra[EXTRA_ARGS_KEY])
         policy = self.settings.policy
         chunk_ids: dict[int, ChunkId | None] = {}
-        for span in layout.chunk_spans:
-            cached = policy.chunk_is_cached(span.num_tokens, layout.block_size)
-            chunk_ids[span.segment] = (
-                chunk_identity(
-                    layout.chunk_tokens(span),
-                    layout.block_size,
-                    self.model_fingerprint,
-                    request.cache_salt,
+        for i, seg in enumerate(segments):
+            if seg.kind is SegmentKind.CHUNK:
+                cached = policy.chunk_is_cached(len(seg.token_ids), self.block_size)
+                chunk_ids[i] = (
+                    chunk_identity(
+                        seg.token_ids, self.block_size, self.model_fingerprint, request.cache_salt
+                    )
+                    if cached
+                    else None
                 )
-                if cached
-                else None
+        layout = self.layout_for(segments, chunk_ids)
+        if layout.num_padded_tokens >= self.max_model_len:
+            raise MepicCapacityError(
+                f"the prompt's block table ({layout.num_blocks} entries of {self.block_size} "
+                f"slots) leaves no room in the model's max_model_len {self.max_model_len}"
             )
         self.room.check_request(layout, chunk_ids)
         private = policy.placement is Placement.PRIVATE
-        worst_case = layout.num_blocks + (
-            1 if private else sum(1 for c in chunk_ids.values() if c is not None)
-        )
+        if layout.packed:  # private blocks, canonical blocks of every chunk, compile scratch
+            worst_case = layout.num_private_blocks + sum(
+                -(-sp.private_tokens // self.block_size) + sp.num_shared
+                for sp in layout.chunk_spans
+            )
+        else:
+            worst_case = layout.num_blocks + (
+                1 if private else sum(1 for c in chunk_ids.values() if c is not None)
+            )
         usable = num_usable_blocks(self.block_pool) - self.chunk_cache.num_pinned_blocks()
         if worst_case > usable:
             raise MepicCapacityError(
@@ -177,7 +240,57 @@ class RequestIntake:
             )
         return layout, chunk_ids
 
+    def layout_for(self, segments: list[Segment], chunk_ids: dict[int, ChunkId | None]) -> Layout:
+        """Shared placement: the packed layout with its chunks' private token counts (before
+        admission, at the worst start slots); otherwise the padded layout."""
+        policy = self.settings.policy
+        if not policy.packed:
+            return build_layout(segments, self.block_size)
+        private = [
+            policy.private_tokens(len(seg.token_ids), self.block_size)
+            if chunk_ids[i] is not None
+            else len(seg.token_ids)
+            for i, seg in enumerate(segments)
+            if seg.kind is SegmentKind.CHUNK
+        ]
+        return build_packed_layout(segments, self.block_size, private)
+
     def build(
+        self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
+    ) -> RequestState:
+        if layout.packed:
+            return self._build_packed(request, layout, chunk_ids)
+        return self._build_padded(request, layout, chunk_ids)
+
+    def _build_packed(
+        self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
+    ) -> RequestState:
+        """A packed request reaches vLLM as its private stream: prompt tokens and each chunk's
+        private tokens, in order; everything else is the chunk cache's."""
+        extra = request.sampling_params.extra_args
+        policy = self.settings.policy
+        set_prompt(request, layout.private_token_ids())
+        set_block_hashes(
+            request,
+            packed_block_hashes(layout, chunk_ids, self.hash_fn, request.cache_salt, policy.name),
+        )
+        request.max_tokens = min(request.max_tokens, self.max_model_len - layout.num_padded_tokens)
+        roles = [
+            BlockRole.SHARED if spec.kind is BlockKind.CHUNK_SHARED else BlockRole.PRIVATE
+            for spec in layout.blocks
+        ]
+        st = RequestState(
+            layout,
+            chunk_ids,
+            roles,
+            SequencePlacement((), 0),  # set at admission, once the chunks are placed
+            pin=bool(extra.get(PIN_KEY)),
+            private_tokens=[sp.private_tokens for sp in layout.chunk_spans],
+        )
+        st.set_layout(layout)
+        return st
+
+    def _build_padded(
         self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
     ) -> RequestState:
         """The state of an inspected request; rewrites the engine request to match.
@@ -202,12 +315,7 @@ class RequestIntake:
             fresh.update(base + o for o in offsets)
             for j in range(span.num_blocks):
                 b = span.first_block + j
-                if policy.placement is Placement.PRIVATE:
-                    roles[b] = BlockRole.LOAD
-                elif j > 0 or policy.keeps_first_block:
-                    roles[b] = BlockRole.SHARED
-                elif policy.kind == "mepic-k":
-                    roles[b] = BlockRole.LOAD
+                roles[b] = BlockRole.LOAD  # private placement: filled from the host store
         compact_slots = sorted(
             slot
             for spec in layout.blocks
@@ -230,7 +338,7 @@ class RequestIntake:
         placement = SequencePlacement(
             segment_lengths=tuple((kind, n) for kind, n in layout.segment_lengths()),
             num_in_context=len(compact_slots),
-            fresh_slots=tuple(compact_slots) if policy.kind != "mepic" else None,
+            fresh_slots=tuple(compact_slots),
             blend=(policy.ratio, policy.check_layer) if policy.dynamic else None,
         )
         return RequestState(

@@ -202,7 +202,7 @@ class MepicScheduler(Scheduler):
             if self.pic_policy.loads_kv:
                 manager.stage(request, layout, chunk_ids)
             else:
-                manager.stage_tier_loads(layout, chunk_ids)
+                manager.stage_tier_loads(layout, chunk_ids, request.cache_salt)
 
     def get_num_unfinished_requests(self) -> int:
         return super().get_num_unfinished_requests() + len(getattr(self, "_staged", ()))
@@ -260,8 +260,9 @@ class MepicScheduler(Scheduler):
     def _add_compiles(self, output: SchedulerOutput) -> None:
         """Add this step's chunk compiles and tier loads, and send the step's plan.
 
-        A compile is the chunk alone from position 0 in ``[scratch, canonical...]`` blocks,
-        run as its own sequence of the same forward pass; a tier load is a one-token sequence
+        A compile is the chunk alone from position 0 (its private tokens in scratch blocks, its
+        canonical tokens where the chunk arena placed them), run as its own sequence of the same
+        forward pass; a tier load is a one-token sequence
         whose blocks the worker fills before the forward. Neither is a vLLM request; the
         worker forgets them the next step. Everything the worker needs to place this step's
         tokens goes into one ``StepPlan`` (``vllm_integration/channel.py``).
@@ -284,17 +285,25 @@ class MepicScheduler(Scheduler):
             compile_id = f"mepic-compile-{compile_.chunk_id[:16]}-{request_id}"
             tokens = [*compile_.dummy_tokens, *compile_.token_ids]
             lengths = tuple((kind, n) for kind, n in compile_.segment_lengths)
-            placements[compile_id] = SequencePlacement(lengths, len(tokens), compile=True)
+            packing = (compile_.packing,) if compile_.packing is not None else None
+            placements[compile_id] = SequencePlacement(
+                lengths, len(tokens), compile=True, packing=packing
+            )
             num_tokens = len(compile_.token_ids)
             if compile_.store_blocks:
                 blocks = compile_.block_ids[-compile_.store_blocks :]
                 host_saves.append(
                     ChunkSave(compile_.chunk_id, blocks, num_tokens, compile_.store_scores)
                 )
-            elif manager.wants_offload(compile_.chunk_id):
-                skip = 0 if self.pic_policy.keeps_first_block else 1  # the scratch block
-                blocks = compile_.block_ids[skip:]
-                tier_puts.append(ChunkSave(compile_.chunk_id, blocks, num_tokens))
+            elif compile_.packing is not None and manager.wants_offload(compile_.chunk_id):
+                tier_puts.append(
+                    ChunkSave(
+                        compile_.chunk_id,
+                        compile_.canonical_block_ids,
+                        compile_.num_canonical,
+                        offset=compile_.packing[1],
+                    )
+                )
             self._add_sequence(output, compile_id, tokens, list(compile_.block_ids))
         self._step_count += 1
         channel.attach(
@@ -306,6 +315,7 @@ class MepicScheduler(Scheduler):
                 host_saves=tuple(host_saves),
                 tier_puts=tuple(tier_puts),
                 tier_loads=tier_loads,
+                chunk_moves=tuple(manager.take_chunk_moves()),
             ),
         )
 

@@ -44,6 +44,7 @@ class BlockKind(str, enum.Enum):
     PROMPT = "prompt"
     CHUNK_FIRST = "chunk-first"
     CHUNK_SHARED = "chunk-shared"
+    PRIVATE = "private"  # packed layout: a run of the request's private stream in one block
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,10 @@ class BlockSpec:
     valid_start: int
     valid_end: int
     first_position: int
+    # Packed layout: which private block holds this entry (-1: a shared entry), and for a shared
+    # entry which of its chunk's canonical blocks it reads (-1: a private entry).
+    private_block: int = -1
+    shared_index: int = -1
 
     @property
     def num_valid(self) -> int:
@@ -91,6 +96,11 @@ class SegmentSpan:
     pad: int
     first_position: int
     num_tokens: int
+    # Packed layout, chunks: tokens computed in context (the private stream), and the table
+    # entries of the chunk's canonical tokens (``shared_first`` .. ``+ num_shared``).
+    private_tokens: int = 0
+    shared_first: int = -1
+    num_shared: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,8 @@ class Layout:
     segments: tuple[Segment, ...]
     spans: tuple[SegmentSpan, ...]
     blocks: tuple[BlockSpec, ...]
+    packed: bool = False
+    num_private_blocks: int = 0  # packed: physical blocks of the private stream
 
     @property
     def num_real_tokens(self) -> int:
@@ -124,16 +136,14 @@ class Layout:
         return self.segments[span.segment].token_ids
 
     def padded_token_ids(self, pad_token_id: int = DEFAULT_PAD_TOKEN_ID) -> list[int]:
-        """The token ids vLLM stores for this request: real tokens with pads in pad slots."""
-        out: list[int] = []
-        for span, seg in zip(self.spans, self.segments, strict=False):
-            if span.kind is SegmentKind.CHUNK:
-                out.extend([pad_token_id] * span.pad)
-                out.extend(seg.token_ids)
-            else:
-                out.extend(seg.token_ids)
-                out.extend([pad_token_id] * span.pad)
-        return out
+        """The token of every slot of the layout (its table entries in order), pads as given."""
+        tokens = [t for seg in self.segments for t in seg.token_ids]
+        return [tokens[p] if p >= 0 else pad_token_id for p in self.slot_positions()]
+
+    def private_token_ids(self) -> list[int]:
+        """Packed layout: the private stream (tokens computed in context), in order."""
+        tokens = self.padded_token_ids()
+        return [tokens[i] for i in self.in_context_slots()]
 
     def slot_positions(self) -> list[int]:
         """Logical position per padded slot, -1 for pads (for tests, oracles and the runner)."""
@@ -226,6 +236,122 @@ def build_layout(
     return Layout(block_size, tuple(segments), tuple(spans), tuple(blocks))
 
 
+def shared_entries(num_shared_tokens: int, block_size: int) -> int:
+    """Table entries a chunk's canonical tokens span at the worst start slot (``B - 1``)."""
+    if num_shared_tokens <= 0:
+        return 0
+    return -(-(num_shared_tokens + block_size - 1) // block_size)
+
+
+def build_packed_layout(
+    segments: Sequence[Segment],
+    block_size: int,
+    private_tokens: Sequence[int],
+    offsets: Sequence[int] | None = None,
+    allow_trailing_chunk: bool = False,
+) -> Layout:
+    """The packed layout (block-size independent recompute, no padding anywhere).
+
+    ``private_tokens[c]``: how many leading tokens of chunk ``c`` (chunk segments in order) are
+    computed in the request's context; its other tokens are the chunk's canonical tokens, stored
+    once in the chunk cache starting at slot ``offsets[c]`` of the chunk's first canonical block
+    and packed back to back with other chunks'. Without ``offsets`` (before the chunk cache has
+    placed the chunks) every chunk gets the entries of its worst start slot (``shared_entries``),
+    the trailing ones empty: the table size a request is admitted against. Prompt tokens and
+    private chunk
+    tokens form the request's *private stream*, packed densely into its private blocks: in-context
+    token ``i`` sits in private block ``i // B``, slot ``i % B``.
+
+    Table entries follow logical order; each is one contiguous slot range of one physical block,
+    so a private block appears once per run of the stream that a chunk's canonical tokens
+    interrupt, and every chunk contributes one entry per block its canonical tokens touch.
+    """
+    bs = block_size
+    if bs <= 0:
+        raise LayoutError(f"block size must be positive, got {bs}")
+    if not segments:
+        raise LayoutError("a request needs at least one segment")
+    last = len(segments) - 1
+    if segments[last].kind is not SegmentKind.PROMPT and not allow_trailing_chunk:
+        raise LayoutError(
+            "the last segment must be a prompt segment (the request-specific question); "
+            "a trailing chunk would have to be recomputed anyway"
+        )
+    num_chunks = sum(1 for seg in segments if seg.kind is SegmentKind.CHUNK)
+    placed = offsets is not None
+    offsets = list(offsets) if offsets is not None else [0] * num_chunks
+    if len(private_tokens) != num_chunks or len(offsets) != num_chunks:
+        raise LayoutError(
+            f"{num_chunks} chunks but {len(private_tokens)} private counts / {len(offsets)} offsets"
+        )
+    entries: list[BlockSpec] = []
+    spans: list[SegmentSpan] = []
+    stream = 0  # tokens of the private stream placed so far
+    position = 0
+
+    def place_private(count: int, segment: int) -> None:
+        nonlocal stream
+        pos = position
+        while count > 0:
+            p, slot = divmod(stream, bs)
+            take = min(count, bs - slot)
+            prev = entries[-1] if entries else None
+            if prev is not None and prev.private_block == p and prev.valid_end == slot:
+                entries[-1] = BlockSpec(
+                    prev.index, prev.kind, prev.segment, prev.valid_start, slot + take,
+                    prev.first_position, p,
+                )  # fmt: skip
+            else:
+                entries.append(
+                    BlockSpec(len(entries), BlockKind.PRIVATE, segment, slot, slot + take, pos, p)
+                )
+            stream, pos, count = stream + take, pos + take, count - take
+
+    chunk = 0
+    for i, seg in enumerate(segments):
+        n = len(seg.token_ids)
+        if n == 0:
+            raise LayoutError(f"segment {i} ({seg.kind.value}) is empty")
+        first_entry = len(entries)
+        if seg.kind is SegmentKind.PROMPT:
+            place_private(n, i)
+            spans.append(SegmentSpan(i, seg.kind, first_entry, len(entries) - first_entry, 0,
+                                     position, n))  # fmt: skip
+            position += n
+            continue
+        k, offset = private_tokens[chunk], offsets[chunk]
+        chunk += 1
+        if not 0 <= k <= n:
+            raise LayoutError(f"chunk segment {i}: {k} private tokens of {n}")
+        if not 0 <= offset < bs:
+            raise LayoutError(f"chunk segment {i}: start slot {offset} outside a block of {bs}")
+        place_private(k, i)
+        m = n - k
+        shared_first = len(entries)
+        base = position + k
+        count = -(-(offset + m) // bs) if placed else shared_entries(m, bs)
+        for j in range(count):
+            start = offset if j == 0 else 0
+            end = min(bs, offset + m - j * bs)
+            if end <= start:  # the chunk ends before this entry: an empty one
+                start = end = 0
+            pos = base + j * bs + start - offset
+            entries.append(
+                BlockSpec(len(entries), BlockKind.CHUNK_SHARED, i, start, end, pos, -1, j)
+            )
+        spans.append(
+            SegmentSpan(
+                i, seg.kind, first_entry, len(entries) - first_entry, 0, position, n,
+                private_tokens=k, shared_first=shared_first, num_shared=len(entries) - shared_first,
+            )
+        )  # fmt: skip
+        position += n
+    return Layout(
+        bs, tuple(segments), tuple(spans), tuple(entries), packed=True,
+        num_private_blocks=-(-stream // bs),
+    )  # fmt: skip
+
+
 def parse_segment_lengths(raw: object) -> list[tuple[SegmentKind, int]]:
     """Validate the ``extra_args`` description ``[[kind, num_real_tokens], ...]``.
 
@@ -256,16 +382,33 @@ def parse_segment_lengths(raw: object) -> list[tuple[SegmentKind, int]]:
 
 
 def layout_from_lengths(
-    lengths: object, block_size: int, allow_trailing_chunk: bool = False
+    lengths: object,
+    block_size: int,
+    allow_trailing_chunk: bool = False,
+    packing: Sequence[Sequence[int]] | None = None,
 ) -> Layout:
     """A layout from segment lengths alone (token values are placeholders): what the worker
-    needs to place tokens, without the tokens themselves."""
+    needs to place tokens, without the tokens themselves. ``packing``: per chunk
+    ``(private tokens, start slot)`` for a packed layout; None for the padded one."""
     segments = [Segment(kind, tuple(range(n))) for kind, n in parse_segment_lengths(lengths)]
-    return build_layout(segments, block_size, allow_trailing_chunk)
+    if packing is None:
+        return build_layout(segments, block_size, allow_trailing_chunk)
+    return build_packed_layout(
+        segments,
+        block_size,
+        [k for k, _ in packing],
+        [o for _, o in packing],
+        allow_trailing_chunk,
+    )
 
 
 def layout_from_real(token_ids: Sequence[int], segment_lengths: object, block_size: int) -> Layout:
     """Split a request's real (unpadded) prompt tokens by segment lengths and lay them out."""
+    return build_layout(segments_from_real(token_ids, segment_lengths), block_size)
+
+
+def segments_from_real(token_ids: Sequence[int], segment_lengths: object) -> list[Segment]:
+    """Split a request's real (unpadded) prompt tokens by segment lengths."""
     lengths = parse_segment_lengths(segment_lengths)
     total = sum(n for _, n in lengths)
     if total != len(token_ids):
@@ -277,4 +420,4 @@ def layout_from_real(token_ids: Sequence[int], segment_lengths: object, block_si
     for kind, n in lengths:
         segments.append(Segment(kind, tuple(token_ids[offset : offset + n])))
         offset += n
-    return build_layout(segments, block_size)
+    return segments

@@ -47,15 +47,18 @@ from ascend_mepic.core.segments import Segment, SegmentKind
 LEGOLINK_DUMMIES = 4
 _QUERY_BLOCK = 128  # query rows per attention block
 
-_POLICY = re.compile(r"^(full|naive|mepic|epic|legolink|cacheblend|cachetune)(?:-(\d+))?$")
+_POLICY = re.compile(
+    r"^(full|naive|mepic-block|mepic|epic|legolink|cacheblend|cachetune)(?:-(\d+))?$"
+)
 _POLICY_HELP = (
-    "full, naive, mepic, mepic-K, epic-K, legolink-0, cacheblend-R, cachetune-R "
+    "full, naive, mepic, mepic-K, mepic-block, epic-K, legolink-0, cacheblend-R, cachetune-R "
     "(K >= 1 tokens, 0 < R <= 100 percent)"
 )
+_MEPIC_K = 16  # mepic's default: the first 16 tokens of each chunk (MEPIC_DEFAULT_K)
 
 
 def parse_policy(name: str) -> tuple[str, int | None]:
-    """``"epic-16"`` -> ``("epic", 16)``; ``"mepic"`` -> ``("mepic", None)`` (K = block size).
+    """``"epic-16"`` -> ``("epic", 16)``; ``"mepic"`` -> ``("mepic", None)`` (K = 16).
 
     Raises ValueError naming the accepted forms, so a typo in a benchmark's policy list fails
     before any model work starts.
@@ -65,7 +68,7 @@ def parse_policy(name: str) -> tuple[str, int | None]:
         raise ValueError(f"unknown policy {name!r}; accepted: {_POLICY_HELP}")
     kind, raw = m.group(1), m.group(2)
     arg = None if raw is None else int(raw)
-    if kind in ("full", "naive") and arg is not None:
+    if kind in ("full", "naive", "mepic-block") and arg is not None:
         raise ValueError(f"policy {kind!r} takes no number, got {name!r}")
     if kind == "legolink" and arg != 0:
         raise ValueError(f"only legolink-0 exists (LegoLink-K with K > 0 is epic-K), got {name!r}")
@@ -138,10 +141,10 @@ class PromptState:
 class PolicyReference:
     """Dense float64-attention forward of a Llama-family HF model under each PIC policy.
 
-    ``block_size`` fixes mepic's first block; ``dummy_token_id`` (the tokenizer's BOS) is needed by
-    legolink-0; ``check_layer`` is CacheBlend's selection layer. Canonical chunk KV is cached by
-    token ids (``cache_size`` chunks, LRU), so running several policies on the same request
-    computes each chunk alone once.
+    ``block_size`` fixes mepic-block's first block; ``dummy_token_id`` (the tokenizer's BOS) is
+    needed by legolink-0; ``check_layer`` is CacheBlend's selection layer. Canonical chunk KV is
+    cached by token ids (``cache_size`` chunks, LRU), so running several policies on the same
+    request computes each chunk alone once.
     """
 
     def __init__(
@@ -355,8 +358,11 @@ class PolicyReference:
             return None
         if kind in ("naive", "legolink"):
             return torch.arange(0)
-        if kind == "mepic":
-            return None if n <= b else torch.arange(min(arg or b, first))
+        if kind == "mepic":  # the first K tokens (all of a chunk of at most K: none shared)
+            k = _MEPIC_K if arg is None else arg
+            return None if n <= k else torch.arange(k)
+        if kind == "mepic-block":  # the paper's: the first block's real tokens
+            return None if n <= b else torch.arange(first)
         if kind == "epic":
             assert arg is not None
             return torch.arange(0) if c == 0 else torch.arange(min(arg, n))

@@ -1,4 +1,7 @@
-"""Whole-block KV copies between vLLM's paged cache and the host store, and CacheTune's scores.
+"""KV copies between vLLM's paged cache and storage outside it, and CacheTune's scores.
+
+Whole blocks for the host store (private placement's padded chunk blocks); token ranges for the
+tier (a chunk's canonical tokens, which the chunk arena packs from any slot of a block on).
 
 Every per-layer cache buffer is block-major (``[num_blocks, ...]``, see ``attention.cache_view``),
 so a block's K and V of one layer are one contiguous row: saving a chunk stacks its blocks' rows
@@ -31,6 +34,45 @@ def load_blocks(
     dst = torch.as_tensor(list(block_ids), dtype=torch.long, device=caches[0].device)
     for layer, cache in enumerate(caches):
         cache.index_copy_(0, dst, stored[layer].index_select(0, src).to(cache.device))
+
+
+def _token_index(
+    block_ids: Sequence[int], offset: int, num_tokens: int, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, slot) of each of ``num_tokens`` tokens stored from slot ``offset`` of the first
+    block on, continuing through ``block_ids``."""
+    flat = torch.arange(offset, offset + num_tokens, device=device)
+    if num_tokens and (offset + num_tokens - 1) // block_size >= len(block_ids):
+        raise ValueError(f"{num_tokens} tokens from slot {offset} overflow {len(block_ids)} blocks")
+    blocks = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)[flat // block_size]
+    return blocks, flat % block_size
+
+
+def save_tokens(
+    caches: Sequence[torch.Tensor],
+    block_ids: Sequence[int],
+    offset: int,
+    num_tokens: int,
+    block_size: int,
+) -> torch.Tensor:
+    """Copy a token range of every layer out of the pool: ``[num_layers, n, 2, Hkv * D]``."""
+    blocks, slots = _token_index(block_ids, offset, num_tokens, block_size, caches[0].device)
+    return torch.stack(
+        [c.view(c.shape[0], 2, block_size, -1)[blocks, :, slots] for c in caches]
+    ).cpu()
+
+
+def load_tokens(
+    caches: Sequence[torch.Tensor],
+    stored: torch.Tensor,
+    block_ids: Sequence[int],
+    offset: int,
+    block_size: int,
+) -> None:
+    """Write ``save_tokens``' output back, from slot ``offset`` of ``block_ids[0]`` on."""
+    blocks, slots = _token_index(block_ids, offset, stored.shape[1], block_size, caches[0].device)
+    for layer, c in enumerate(caches):
+        c.view(c.shape[0], 2, block_size, -1)[blocks, :, slots] = stored[layer].to(c.device)
 
 
 def lowfreq_scores(

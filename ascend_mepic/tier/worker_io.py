@@ -2,11 +2,12 @@
 
 An entry is one self-describing byte blob in LMCache: an 8-byte header length, a JSON header
 (format, chunk identity, dtype, shape, token count, BLAKE2b digest of the payload) and the payload
-(the chunk's canonical blocks of every layer, ``[num_layers, num_blocks, *block_shape]``, as
-``kv_transfer.save_blocks`` cuts them). A load checks identity, shape, dtype and digest before a
-single byte reaches the KV pool; anything else (a miss, a mismatch, a backend error) is reported
-to the scheduler as a failed load, which compiles the chunk instead. Nothing here raises into the
-engine: a full tier or a dead remote costs a warning and a counter, never a request.
+(the chunk's canonical tokens of every layer, ``[num_layers, num_tokens, 2, Hkv * D]``, as
+``kv_transfer.save_tokens`` cuts them, wherever the chunk arena placed them). A load checks
+identity, shape, dtype and digest before a single byte reaches the KV pool; anything else (a miss, a
+mismatch, a backend error) is reported to the scheduler as a failed load, which compiles the chunk
+instead. Nothing here raises into the engine: a full tier or a dead remote costs a warning and a
+counter, never a request.
 
 Loads run synchronously before the forward pass that first needs them (on CPU nothing overlaps
 with compute; layer-wise overlap would need a device stream and is not implemented).
@@ -40,7 +41,7 @@ from ascend_mepic.tier.index import (
 
 logger = logging.getLogger(__name__)
 
-ENTRY_FORMAT = 1
+ENTRY_FORMAT = 2  # 2: token-major canonical tokens (1 was whole padded blocks)
 _EMA = 0.3  # weight of the newest cost sample
 
 
@@ -151,10 +152,14 @@ class WorkerTier:
         caches: Sequence[torch.Tensor],
         block_ids: Sequence[int],
         num_tokens: int,
+        offset: int,
+        block_size: int,
     ) -> str:
-        """Copy a chunk's canonical blocks from the tier into ``block_ids``: "ok" or a reason."""
+        """Copy a chunk's canonical tokens from the tier into ``block_ids`` from slot ``offset``
+        on: "ok" or a reason."""
         key = lmcache_key(chunk_id, TIER_NAMESPACE)
-        shape = (len(caches), len(block_ids), *caches[0].shape[1:])
+        width = caches[0].numel() // (caches[0].shape[0] * 2 * block_size)
+        shape = (len(caches), num_tokens, 2, width)
         start = time.perf_counter()
         try:
             backend = self.lmcache.contains(key)
@@ -163,7 +168,7 @@ class WorkerTier:
                 raise TierEntryError("miss")
             try:
                 kv = decode_entry(obj.tensor, chunk_id, shape, caches[0].dtype)
-                kv_transfer.load_blocks(caches, kv, range(len(block_ids)), block_ids)
+                kv_transfer.load_tokens(caches, kv, block_ids, offset, block_size)
                 nbytes = int(obj.tensor.numel())
             finally:
                 obj.ref_count_down()

@@ -21,7 +21,7 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ascend_mepic.config import MepicConfig
-from ascend_mepic.core.plan import ChunkSave, HostLoad, StepPlan, TierLoad
+from ascend_mepic.core.plan import ChunkMove, ChunkSave, HostLoad, StepPlan, TierLoad
 from ascend_mepic.tier import transfer as kv_transfer
 from ascend_mepic.tier.host_store import StoredChunk, host_store
 from ascend_mepic.tier.worker_io import WorkerTier
@@ -74,6 +74,8 @@ class MepicRunnerMixin:
         if plan is not None:
             self._take_placements(plan, scheduler_output.scheduled_new_reqs)
         out = super()._update_states(scheduler_output)  # zeroes the step's new blocks
+        if plan is not None and plan.chunk_moves:
+            self._move_chunks(plan.chunk_moves)
         if plan is not None and plan.host_loads:
             self._load_chunks(plan.host_loads)
         if plan is not None and plan.tier_loads:
@@ -99,13 +101,28 @@ class MepicRunnerMixin:
             if placement.blend is not None:
                 self._blend[req_id] = placement.blend
 
+    def _move_chunks(self, moves: tuple[ChunkMove, ...]) -> None:
+        """Copy relocated chunks' canonical tokens (sources stay untouched until the step ran,
+        so the copies may run in any order)."""
+        bs = self.mepic_block_size
+        for move in moves:
+            kv = kv_transfer.save_tokens(
+                self.kv_caches, move.src_block_ids, move.src_offset, move.num_tokens, bs
+            )
+            kv_transfer.load_tokens(self.kv_caches, kv, move.dst_block_ids, move.dst_offset, bs)
+
     def _load_from_tier(self, tier_loads: tuple[TierLoad, ...]) -> None:
         """Fill chunks' canonical blocks from the tier and report each verified outcome."""
         if self._tier is None:
             raise StepPlanError("the step plan has tier loads but this worker has no tier")
         for load in tier_loads:
             result = self._tier.load(
-                load.chunk_id, self.kv_caches, list(load.block_ids), load.num_tokens
+                load.chunk_id,
+                self.kv_caches,
+                list(load.block_ids),
+                load.num_tokens,
+                load.offset,
+                self.mepic_block_size,
             )
             self._tier.dir.write_result(load.io_id, {load.chunk_id: result})
         self._tier.publish()
@@ -166,7 +183,9 @@ class MepicRunnerMixin:
         """Write-through: this step's compiled chunks go to the tier right after the forward."""
         assert self._tier is not None
         for put in puts:
-            kv = kv_transfer.save_blocks(self.kv_caches, list(put.block_ids))
+            kv = kv_transfer.save_tokens(
+                self.kv_caches, put.block_ids, put.offset, put.num_tokens, self.mepic_block_size
+            )
             self._tier.put(put.chunk_id, kv, put.num_tokens)
         self._tier.publish()
 

@@ -1,12 +1,13 @@
-"""Where each of a request's computed tokens sits: its padded-layout index and logical position.
+"""Where each of a request's computed tokens sits: its table-entry index and logical position.
 
-The scheduler hands the worker a MEPIC request as its *in-context* tokens only (prompt blocks and
-each chunk's first block, in layout order) and, in the step's ``StepPlan``, the request's
-``SequencePlacement`` (segment lengths); a chunk compile arrives as the chunk's tokens with a
-compile placement. vLLM's runner numbers a
-request's tokens 0, 1, 2, ... ; a ``TokenMap`` turns those numbers into padded indices (the KV
-slot and causal order) and logical positions (RoPE), and gives the per-block position table.
-Decode tokens continue after the padded prompt. Plain requests need no map (index = position).
+The scheduler hands the worker a MEPIC request as its *in-context* tokens only (its private
+stream: prompt tokens and each chunk's first tokens, in order) and, in the step's ``StepPlan``,
+the request's ``SequencePlacement`` (segment lengths, and for the packed layout each chunk's
+private token count and start slot); a chunk compile arrives as the chunk's tokens with a compile
+placement. vLLM's runner numbers a request's tokens 0, 1, 2, ... ; a ``TokenMap`` turns those
+numbers into layout indices (entry * B + slot: the KV slot and the causal order) and logical
+positions (RoPE), and gives the per-entry position table. Decode tokens continue after the
+prompt. Plain requests need no map (index = position).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ class TokenMap:
     @classmethod
     def from_placement(cls, placement: SequencePlacement, block_size: int) -> TokenMap:
         lengths = [list(pair) for pair in placement.segment_lengths]
+        packing = placement.packing
         if placement.compile:
-            layout = layout_from_lengths(lengths, block_size, allow_trailing_chunk=True)
+            layout = layout_from_lengths(lengths, block_size, True, packing)
             slots = layout.real_slots()
         else:
-            layout = layout_from_lengths(lengths, block_size)
+            layout = layout_from_lengths(lengths, block_size, packing=packing)
             fresh = placement.fresh_slots
             slots = list(fresh) if fresh is not None else layout.in_context_slots()
         if len(slots) != placement.num_in_context:
@@ -51,7 +53,8 @@ class TokenMap:
         positions = np.asarray(layout.slot_positions(), dtype=np.int64)
         padded = np.asarray(slots, dtype=np.int64)
         valid_end = np.asarray([b.valid_end for b in layout.blocks], dtype=np.int64)
-        valid_end[-1] = block_size  # decode continues in the last block
+        if not placement.compile:
+            valid_end[-1] = block_size  # decode continues in the last block
         return cls(
             block_size=block_size,
             padded=padded,
@@ -61,7 +64,9 @@ class TokenMap:
             first_pos=np.asarray([b.first_position for b in layout.blocks], dtype=np.int64),
             valid_start=np.asarray([b.valid_start for b in layout.blocks], dtype=np.int64),
             valid_end=valid_end,
-            chunk_block=np.asarray([b.kind is not BlockKind.PROMPT for b in layout.blocks]),
+            chunk_block=np.asarray(
+                [b.kind not in (BlockKind.PROMPT, BlockKind.PRIVATE) for b in layout.blocks]
+            ),
         )
 
     def is_chunk_token(self, index: np.ndarray) -> np.ndarray:

@@ -229,8 +229,10 @@ class MepicService:
             first = await result.__anext__()
         except StopAsyncIteration:
             first = None
-        if first is None or ends_without_output(first) or (
-            is_finished_with_error_event(event_data(first))
+        if (
+            first is None
+            or ends_without_output(first)
+            or (is_finished_with_error_event(event_data(first)))
         ):
             await result.aclose()
             return error_json(ENGINE_REJECTED)
