@@ -19,10 +19,10 @@ from ascend_mepic.tier.index import TierConfig
 @dataclass(frozen=True)
 class MepicConfig:
     enabled: bool = True
-    # A PIC policy (see ascend_mepic/core/policies.py): "mepic" shares chunk KV and recomputes each
-    # chunk's first block in context; "full" ignores segments (the accuracy reference); the
-    # papers' baselines are "naive", "epic-K", "legolink-0", "cacheblend-R", "cachetune-R", and
-    # "mepic-K" recomputes only K tokens of the first block.
+    # A PIC policy (see ascend_mepic/core/policies.py): "mepic" shares chunk KV and recomputes
+    # each chunk's first 16 tokens in context ("mepic-K": the first K; "mepic-block": the paper's
+    # first block); "full" ignores segments (the accuracy reference); the papers' baselines are
+    # "naive", "epic-K", "legolink-0", "cacheblend-R", "cachetune-R".
     policy: str = "mepic"
     # CacheBlend's check layer: every chunk token is computed up to it, then only the selected.
     blend_check_layer: int = 1

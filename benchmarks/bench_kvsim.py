@@ -53,9 +53,9 @@ def main() -> None:
     )
     print(
         "| block size | QPS | mepic peak | mepic mean | private peak | prefix peak | "
-        "private/mepic peak | prefix/mepic peak | private/mepic mean |"
+        "private/mepic peak | prefix/mepic peak | private/mepic mean | mepic chunk slot use |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for qps in args.qps:
         trace = load_trace(args, qps, tokenizer)
         for bs in args.block_sizes:
@@ -66,7 +66,8 @@ def main() -> None:
                 f"{r['private']['peak_blocks']} | {r['prefix']['peak_blocks']} | "
                 f"{r['private']['peak_blocks'] / m['peak_blocks']:.2f}x | "
                 f"{r['prefix']['peak_blocks'] / m['peak_blocks']:.2f}x | "
-                f"{r['private']['mean_blocks'] / m['mean_blocks']:.2f}x |"
+                f"{r['private']['mean_blocks'] / m['mean_blocks']:.2f}x | "
+                f"{m['chunk_slot_utilisation']:.1%} |"
             )
 
 

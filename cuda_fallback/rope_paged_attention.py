@@ -145,6 +145,7 @@ def _attend_kv(
 
     Tile ``t`` holds the keys of padded index ``t * BLOCK_N + n``: part of one block when
     ``BLOCK_N <= B``, several whole blocks otherwise, so the tile size does not depend on ``B``.
+    Tiles without a real key are skipped (packed tables have entries with short valid ranges).
     """
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, D_P)
@@ -159,34 +160,38 @@ def _attend_kv(
         v_start = tl.load(valid_start_ptr + meta_row + j, mask=in_seq, other=0)
         v_end = tl.load(valid_end_ptr + meta_row + j, mask=in_seq, other=0)
         real = in_seq & (slot >= v_start) & (slot < v_end)
-        k_rows = k_ptr + blk * stride_kb + slot.to(tl.int64) * stride_ks + k_off
-        k1, k2 = _load_halves(
-            k_rows, first + slot - v_start, real, cos_sin_ptr, stride_cs,
-            HALF, HALF_P, IS_NEOX, APPLY_ROPE,
-        )  # fmt: skip
-        if DOT_FP32:
-            s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-            s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
-        else:
-            s = tl.dot(q1, tl.trans(k1.to(q1.dtype)))
-            s += tl.dot(q2, tl.trans(k2.to(q2.dtype)))
-        allowed = real[None, :] & (idx[None, :] <= q_idx[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no allowed key yet keeps m = -inf; subtract 0 instead (no NaN).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # Pad slots may hold anything (uninitialised blocks): never load them, 0 * NaN is NaN.
-        v_rows = v_ptr + blk * stride_vb + slot.to(tl.int64) * stride_vs + v_off
-        v = tl.load(v_rows[:, None] + d[None, :], mask=real[:, None] & (d < D)[None, :], other=0.0)
-        acc = acc * alpha[:, None]
-        if DOT_FP32:
-            acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        # Skip a tile with no real key (a short run of a packed table's entry): no loads, no
+        # dots. The decode path gets the same skip, so it stays one pass over the real keys.
+        if tl.max(real.to(tl.int32), 0) > 0:
+            k_rows = k_ptr + blk * stride_kb + slot.to(tl.int64) * stride_ks + k_off
+            k1, k2 = _load_halves(
+                k_rows, first + slot - v_start, real, cos_sin_ptr, stride_cs,
+                HALF, HALF_P, IS_NEOX, APPLY_ROPE,
+            )  # fmt: skip
+            if DOT_FP32:
+                s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+                s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
+            else:
+                s = tl.dot(q1, tl.trans(k1.to(q1.dtype)))
+                s += tl.dot(q2, tl.trans(k2.to(q2.dtype)))
+            allowed = real[None, :] & (idx[None, :] <= q_idx[:, None])
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no allowed key yet keeps m = -inf; subtract 0 instead (no NaN).
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            # Pad slots may hold anything (uninitialised blocks): never load them, 0 * NaN is NaN.
+            v_rows = v_ptr + blk * stride_vb + slot.to(tl.int64) * stride_vs + v_off
+            v_mask = real[:, None] & (d < D)[None, :]
+            v = tl.load(v_rows[:, None] + d[None, :], mask=v_mask, other=0.0)
+            acc = acc * alpha[:, None]
+            if DOT_FP32:
+                acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(p.to(v.dtype), v)
+            m_i = m_new
     return m_i, l_i, acc
 
 

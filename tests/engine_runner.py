@@ -5,7 +5,8 @@ backends, custom ops) never leaks between configurations.
 
 Job: {"model", "mepic": bool, "policy": str|null, "block_size", "max_model_len", "batches":
 [[{"segments": [[kind, [ids...]], ...], "salt": str|null}, ...], ...], "max_tokens",
-"logprobs", "options" (MEPIC options), "reset_between_batches", "tensor_parallel_size"}.
+"logprobs", "options" (MEPIC options), "reset_between_batches", "reset_before" (batch indices),
+"tensor_parallel_size"}.
 Each batch is one ``generate`` call, run in order on the same engine.
 """
 
@@ -40,7 +41,7 @@ def main() -> None:
     )
     results = []
     for index, batch in enumerate(job["batches"]):
-        if index and job.get("reset_between_batches"):
+        if (index and job.get("reset_between_batches")) or index in job.get("reset_before", ()):
             llm.reset_prefix_cache()  # evicts every idle chunk from the KV pool
         reqs = [[Segment(SegmentKind(k), tuple(ids)) for k, ids in r["segments"]] for r in batch]
         salts = [r.get("salt") for r in batch]

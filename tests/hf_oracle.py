@@ -3,18 +3,33 @@
 Built only from the Hugging Face model's own modules (embeddings, norms, projections, MLP), with
 attention and RoPE written here:
 
-* every multi-block chunk is computed alone from position 0 (no pads: pads are never attended),
-  and its per-layer K (un-rotated) and V are kept;
-* in the request, prompt tokens and each chunk's first block are computed in context; a chunk's
-  other tokens are not computed, their KV is the chunk-alone KV;
+* every chunk with tokens left after its first ``k`` is computed alone from position 0, and its
+  per-layer K (un-rotated) and V are kept;
+* in the request, prompt tokens and each chunk's first ``k`` tokens are computed in context; a
+  chunk's other tokens are not computed, their KV is the chunk-alone KV;
 * every real token has its unsegmented position; K is rotated at its position when read.
+
+``k`` per chunk comes from the caller (MEPIC: 16; the paper's first-block policy: the first
+block's real tokens); no layout, block or padding is involved.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from ascend_mepic.core.segments import BlockKind, Segment, SegmentKind, build_layout
+from ascend_mepic.core.segments import Segment, SegmentKind
+
+
+def first_k(k: int) -> Callable[[int], int]:
+    """MEPIC's rule: the first ``k`` tokens of a chunk are computed in context."""
+    return lambda n: min(k, n)
+
+
+def first_block(block_size: int) -> Callable[[int], int]:
+    """The paper's rule: the first block's real tokens of the front-padded chunk."""
+    return lambda n: n - block_size * (-(-n // block_size) - 1)
 
 
 def _rotate(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
@@ -68,39 +83,17 @@ class MepicOracle:
         return m.norm(h), mine
 
     @torch.no_grad()
-    def next_token_logprobs(self, segments: list[Segment], block_size: int) -> torch.Tensor:
-        layout = build_layout(segments, block_size)
-        positions = layout.slot_positions()
-        padded = layout.padded_token_ids()
-        chunk_kv = {}
-        for span in layout.chunk_spans:
-            if span.num_blocks > 1:
-                toks = list(layout.chunk_tokens(span))
-                _, kv = self._run(toks, list(range(len(toks))), None)
-                chunk_kv[span.segment] = kv
-        # Keys in layout order: in-context tokens computed here, shared ones from the chunk.
+    def next_token_logprobs(
+        self, segments: list[Segment], in_context: Callable[[int], int]
+    ) -> torch.Tensor:
+        """Next-token log-probs when each chunk of n tokens has ``in_context(n)`` leading tokens
+        computed in the request and the rest taken from the chunk computed alone."""
         past = None
         hidden = None
-        for spec in layout.blocks:
-            slots = range(
-                spec.index * block_size + spec.valid_start, spec.index * block_size + spec.valid_end
-            )
-            if spec.kind is BlockKind.CHUNK_SHARED and spec.segment in chunk_kv:
-                span = layout.spans[spec.segment]
-                first_real = block_size - span.pad
-                lo = first_real + (spec.index - span.first_block - 1) * block_size
-                kv = [
-                    (
-                        k[lo : lo + block_size],
-                        v[lo : lo + block_size],
-                        torch.tensor([positions[s] for s in slots]),
-                    )
-                    for k, v, _ in chunk_kv[spec.segment]
-                ]
-            else:
-                hidden, kv = self._run(
-                    [padded[s] for s in slots], [positions[s] for s in slots], past
-                )
+        position = 0
+
+        def extend(kv):
+            nonlocal past
             past = (
                 kv
                 if past is None
@@ -109,7 +102,20 @@ class MepicOracle:
                     for a, b in zip(past, kv, strict=True)
                 ]
             )
-        assert layout.blocks[-1].kind is BlockKind.PROMPT and hidden is not None
+
+        for seg in segments:
+            toks = list(seg.token_ids)
+            n = len(toks)
+            k = n if seg.kind is SegmentKind.PROMPT else in_context(n)
+            if k:
+                hidden, kv = self._run(toks[:k], list(range(position, position + k)), past)
+                extend(kv)
+            if k < n:
+                _, alone = self._run(toks, list(range(n)), None)
+                pos = torch.arange(position + k, position + n)
+                extend([(ka[k:], va[k:], pos) for ka, va, _ in alone])
+            position += n
+        assert segments[-1].kind is SegmentKind.PROMPT and hidden is not None
         logits = self.model.lm_head(hidden[-1:]).double()
         return torch.log_softmax(logits[0], dim=-1)
 

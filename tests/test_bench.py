@@ -18,13 +18,16 @@ def _segs(*chunks: tuple[int, ...]) -> list[Segment]:
 def test_workload_stats_counts_reuse_and_fresh_tokens():
     a, b = tuple(range(100, 110)), tuple(range(200, 206))  # 10 and 6 tokens
     reqs = [_segs(a, b), _segs(b, a)]
-    st = stats.workload_stats(reqs, block_size=4, policies=["full", "mepic", "epic-2"])
+    st = stats.workload_stats(
+        reqs, block_size=4, policies=["full", "mepic-block", "mepic-3", "epic-2"]
+    )
     assert st["prompt_tokens_mean"] == 21
     assert st["reused_fraction"] == pytest.approx(16 / 42)
     assert st["recomputed_steady"]["full"] == 21
-    # mepic recomputes each chunk's first (partial) block: 10 -> 2, 6 -> 2
-    assert st["recomputed_steady"]["mepic"] == 5 + 2 + 2
-    assert st["recomputed_first_seen"]["mepic"] == pytest.approx((5 + 16 + 5 + 4) / 2)
+    # mepic-block recomputes each chunk's first (partial) block: 10 -> 2, 6 -> 2
+    assert st["recomputed_steady"]["mepic-block"] == 5 + 2 + 2
+    assert st["recomputed_first_seen"]["mepic-block"] == pytest.approx((5 + 16 + 5 + 4) / 2)
+    assert st["recomputed_steady"]["mepic-3"] == 5 + 3 + 3  # the first 3 tokens of each
     # epic-2: first chunk nothing, later chunks 2 tokens
     assert st["recomputed_steady"]["epic-2"] == 5 + 0 + 2
 

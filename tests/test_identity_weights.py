@@ -12,6 +12,7 @@ import torch
 from ascend_mepic.core import identity
 from ascend_mepic.core.identity import chunk_identity, model_fingerprint, weights_digest
 from ascend_mepic.tier.index import CPU_BACKEND, SHARED_BACKEND, TierConfig, TierIndex
+from ascend_mepic.tier.transfer import save_tokens
 from ascend_mepic.tier.worker_io import WorkerTier
 
 TOKENS = list(range(100, 170))
@@ -150,7 +151,7 @@ def test_tier_misses_a_chunk_stored_under_other_weights(tmp_path):
     assert id_a != id_b
 
     config = TierConfig.parse({"cpu_gib": 0.05, "disk": str(tmp_path / "shared")})
-    kv = torch.randn(2, 5, 2, 16, 4, 8)  # 2 layers, 5 blocks of canonical KV
+    kv = torch.randn(2, len(TOKENS), 2, 4 * 8)  # 2 layers, the chunk's canonical tokens
     writer = WorkerTier(config, tmp_path / "server-a", str(model))
     reader_index = TierIndex(config, tmp_path / "server-b", str(model))
     reader = WorkerTier(config, tmp_path / "server-b", str(model))
@@ -168,11 +169,13 @@ def test_tier_misses_a_chunk_stored_under_other_weights(tmp_path):
         # under weights B the same tokens and path name another chunk: the tier misses it
         assert reader_index.where(id_b) is None
         caches = [torch.zeros(8, 2, 16, 4, 8) for _ in range(2)]
-        assert reader.load(id_b, caches, [0, 1, 2, 3, 4], len(TOKENS)) == "miss"
+        blocks = -(-len(TOKENS) // 16)
+        assert reader.load(id_b, caches, list(range(blocks)), len(TOKENS), 0, 16) == "miss"
         assert all(not c.any() for c in caches)  # nothing reached the pool
         # weights A still load (the miss was the identity, not a broken tier)
-        assert reader.load(id_a, caches, [3, 1, 4, 0, 6], len(TOKENS)) == "ok"
-        assert torch.equal(caches[1][[3, 1, 4, 0, 6]], kv[1])
+        order = [3, 1, 4, 0, 6, 2, 5, 7][:blocks]
+        assert reader.load(id_a, caches, order, len(TOKENS), 0, 16) == "ok"
+        assert torch.equal(save_tokens(caches, order, 0, len(TOKENS), 16), kv)
     finally:
         reader.close()
         reader_index.close()

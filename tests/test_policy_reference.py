@@ -2,7 +2,7 @@
 
 The reference is checked against things it does not share code with: the HF model's own forward
 (full recompute, greedy generation) and tests/hf_oracle.py's MEPIC oracle, plus the identities the
-policy definitions imply (mepic-B == mepic, cacheblend-100 == cachetune-100 == full, epic-K on a
+policy definitions imply (mepic-16 == mepic, cacheblend-100 == cachetune-100 == full, epic-K on a
 single chunk == naive).
 """
 
@@ -20,7 +20,7 @@ from ascend_mepic.eval.squad_metrics import (
     normalize_answer,
     paired_bootstrap,
 )
-from tests.hf_oracle import MepicOracle
+from tests.hf_oracle import MepicOracle, first_block, first_k
 
 B = 4
 TOL = 1e-4
@@ -119,17 +119,20 @@ def test_full_generate_equals_hf_greedy(ref, tiny, segs):
 
 
 def test_mepic_equals_oracle(ref, tiny, segs):
-    want = MepicOracle(tiny).next_token_logprobs(segs, B)
-    got = ref.logprobs(segs, "mepic")[0]
-    assert _maxdiff(got, want) < TOL
-    assert _maxdiff(ref.logprobs(segs, f"mepic-{B}")[0], got) < 1e-12
+    oracle = MepicOracle(tiny)
+    got = ref.logprobs(segs, "mepic-block")[0]
+    assert _maxdiff(got, oracle.next_token_logprobs(segs, first_block(B))) < TOL
     assert _maxdiff(got, ref.logprobs(segs, "full")[0]) > 1e-3  # the comparison can fail
+    got = ref.logprobs(segs, "mepic-2")[0]
+    assert _maxdiff(got, oracle.next_token_logprobs(segs, first_k(2))) < TOL
+    assert _maxdiff(ref.logprobs(segs, "mepic")[0], ref.logprobs(segs, "mepic-16")[0]) < 1e-12
 
 
 def test_recomputed_counts(ref, segs):
     # chunks of 11, 3 and 9 tokens; B = 4: first blocks hold 3, 3 (single block) and 1 tokens
-    assert ref.recomputed_tokens(segs, "mepic") == (7, (23 - 7) / 34)
-    assert ref.recomputed_tokens(segs, "mepic-2")[0] == 2 + 3 + 1
+    assert ref.recomputed_tokens(segs, "mepic-block") == (7, (23 - 7) / 34)
+    assert ref.recomputed_tokens(segs, "mepic")[0] == 23  # every chunk has at most 16 tokens
+    assert ref.recomputed_tokens(segs, "mepic-2")[0] == 2 + 2 + 2
     assert ref.recomputed_tokens(segs, "naive") == (0, 23 / 34)
     assert ref.recomputed_tokens(segs, "legolink-0")[0] == 0
     assert ref.recomputed_tokens(segs, "full") == (23, 0.0)
@@ -166,7 +169,7 @@ def test_continuation_is_fresh_prompt(ref, segs):
     """Teacher-forced continuation tokens behave exactly like extra question tokens."""
     cont = [21, 22, 23]
     longer = [*segs[:-1], Segment.prompt(segs[-1].token_ids + tuple(cont))]
-    for policy in ("mepic", "cacheblend-30", "legolink-0"):
+    for policy in ("mepic-2", "cacheblend-30", "legolink-0"):
         got = ref.logprobs(segs, policy, cont)[-1]
         assert _maxdiff(got, ref.logprobs(longer, policy)[0]) < 1e-6, policy
 

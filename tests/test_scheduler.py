@@ -84,7 +84,7 @@ def test_unknown_option_is_an_error(tiny_model):
 def test_schedule_shares_chunk_blocks_and_rejects_bad_requests(tiny_model):
     sched, hasher = make_scheduler(tiny_model, {"mepic": {}}, num_blocks=24)
     assert isinstance(sched.kv_cache_manager, MepicKVCacheManager)
-    doc = Segment.chunk(range(10, 110))  # 4 blocks at B=32: 3 canonical
+    doc = Segment.chunk(range(10, 110))  # 16 private tokens, 84 canonical (3 blocks at B=32)
     a = mepic_request("a", [Segment.prompt([1, 5, 6]), doc, Segment.prompt([7, 8])], hasher)
     b = mepic_request("b", [Segment.prompt(range(20, 60)), doc, Segment.prompt([9])], hasher)
     bad = mepic_request(
@@ -104,18 +104,23 @@ def test_schedule_shares_chunk_blocks_and_rejects_bad_requests(tiny_model):
     tables = {r.req_id: r.block_ids[0] for r in out.scheduled_new_reqs}
     (compile_id,) = set(tables) - {"a", "b"}
     assert compile_id.startswith("mepic-compile-") and set(tables) - {compile_id} == {"a", "b"}
-    # The chunk is compiled once, alone, in [scratch, canonical...] within the same step.
+    # The chunk is compiled once, alone, within the same step: its 16 private tokens in a
+    # scratch block, its canonical tokens in the chunk cache's blocks.
     compile_req = next(r for r in out.scheduled_new_reqs if r.req_id == compile_id)
     assert compile_req.prompt_token_ids == list(range(10, 110))
     assert out.num_scheduled_tokens[compile_id] == 100
-    # In-context tokens only: a's prompt (3), the chunk's first block (100 - 96 = 4), final (2).
-    assert out.num_scheduled_tokens["a"] == 3 + 4 + 2
-    sa = sched.kv_cache_manager.get_plan("a").layout.spans[1]
-    sb = sched.kv_cache_manager.get_plan("b").layout.spans[1]
-    shared_a = tables["a"][sa.first_block + 1 : sa.first_block + 4]
-    assert tables[compile_id][1:] == shared_a
-    assert shared_a == tables["b"][sb.first_block + 1 : sb.first_block + 4]
-    assert tables["a"][sa.first_block] != tables["b"][sb.first_block]
+    # In-context tokens only: a's prompt (3), the chunk's first 16 tokens, the final prompt (2).
+    assert out.num_scheduled_tokens["a"] == 3 + 16 + 2
+    manager = sched.kv_cache_manager
+    sa = manager.get_plan("a").layout.spans[1]
+    sb = manager.get_plan("b").layout.spans[1]
+    shared_a = tables["a"][sa.shared_first : sa.shared_first + sa.num_shared]
+    assert sa.num_shared == 3 and tables[compile_id][1:] == shared_a
+    assert shared_a == tables["b"][sb.shared_first : sb.shared_first + sb.num_shared]
+    private_a, private_b = (
+        {b.block_id for b in manager._states[r].private_blocks} for r in ("a", "b")
+    )
+    assert not private_a & private_b and not private_a & set(shared_a)
     # The rejected requests come back to the client as errors; the others keep running.
     ran = ModelRunnerOutput(
         req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[[3], [4]]

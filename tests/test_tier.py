@@ -1,7 +1,8 @@
 """The LMCache chunk tier in the real engine: offload, evict, reload, restart, corruption, salts,
 and two engines sharing a Redis server.
 
-Tiny random Llama (2 layers), float32, greedy, block size 32. Each engine run evicts every idle
+Tiny random Llama (2 layers), float32, greedy, block size 128 (vllm-ascend's; the reload test
+runs at 16 too). Each engine run evicts every idle
 chunk from the KV pool between its batches (``reset_between_batches``), so the second and third
 batch find their chunks only in the tier. Every run's tokens and logprobs must equal a run without
 the tier: loading must be invisible in the outputs, and so must every failure path.
@@ -30,14 +31,16 @@ def model() -> str:
 @pytest.fixture(scope="module")
 def prompts() -> tuple[list[Segment], list[Segment]]:
     rng = random.Random(11)
-    doc = Segment.chunk([rng.randint(5, 500) for _ in range(90)])  # 2 canonical blocks
-    other = Segment.chunk([rng.randint(5, 500) for _ in range(70)])  # 2 canonical blocks
+    doc = Segment.chunk([rng.randint(5, 500) for _ in range(90)])  # 74 canonical tokens
+    other = Segment.chunk([rng.randint(5, 500) for _ in range(70)])  # 54 canonical tokens
     a = [Segment.prompt([1, 40, 41]), doc, other, Segment.prompt([60, 61, 62, 63])]
     b = [Segment.prompt([1, 77, 78, 79, 80]), other, doc, Segment.prompt([70, 71])]
     return a, b
 
 
-def _run(model: str, prompts, tier: dict | None, salts=(None, None, None)) -> dict:
+def _run(
+    model: str, prompts, tier: dict | None, salts=(None, None, None), block_size: int = 128
+) -> dict:
     a, b = prompts
     batches = [[{**encode(p), "salt": s}] for p, s in zip((a, b, a), salts, strict=True)]
     result = run_engine(
@@ -46,7 +49,7 @@ def _run(model: str, prompts, tier: dict | None, salts=(None, None, None)) -> di
             "mepic": True,
             "policy": "mepic",
             "options": {"tier": tier} if tier else {},
-            "block_size": 32,
+            "block_size": block_size,
             "max_tokens": 4,
             "logprobs": 3,
             "batches": batches,
@@ -71,9 +74,10 @@ def untiered(model, prompts) -> dict:
     return _run(model, prompts, None)
 
 
-def test_cpu_tier_reloads_evicted_chunks(model, prompts, untiered):
-    got = _run(model, prompts, {"cpu_gib": 0.1, "load": "always"})
-    _same_outputs(got, untiered)
+@pytest.mark.parametrize("block_size", [128, 16])
+def test_cpu_tier_reloads_evicted_chunks(model, prompts, untiered, block_size):
+    got = _run(model, prompts, {"cpu_gib": 0.1, "load": "always"}, block_size=block_size)
+    _same_outputs(got, untiered if block_size == 128 else _run(model, prompts, None, block_size=16))
     m = got["metrics"]
     assert m["chunk_misses"] == 2  # compiled once, in the first batch
     assert m["chunk_evictions"] >= 4  # evicted after every batch

@@ -13,6 +13,7 @@ from ascend_mepic.tier.index import (
     lmcache_key,
     recompute_share,
 )
+from ascend_mepic.tier.transfer import save_tokens
 from ascend_mepic.tier.worker_io import TierEntryError, WorkerTier, decode_entry, encode_entry
 
 CHUNK = "ab" * 32
@@ -45,22 +46,29 @@ def tier(tmp_path):
 
 
 def test_worker_tier_put_load_and_failures(tier):
-    caches = [torch.zeros(8, 2, 32, 4, 8) for _ in range(2)]  # 2 layers, 8 blocks
-    kv = torch.randn(2, 3, 2, 32, 4, 8)
+    caches = [torch.zeros(8, 2, 32, 4, 8) for _ in range(2)]  # 2 layers, 8 blocks of 32
+    source = [torch.randn(8, 2, 32, 4, 8) for _ in range(2)]
+    # 70 canonical tokens stored from slot 20 of block 2 on, through blocks 4 and 7.
+    kv = save_tokens(source, [2, 4, 7], 20, 70, 32)
+    assert kv.shape == (2, 70, 2, 32)
     tier.put(CHUNK, kv, 70)
     assert tier.dir.marker(CHUNK).exists() and tier.counters["puts"] == 1
-    assert tier.load(CHUNK, caches, [5, 1, 6], 70) == "ok"
+    # Loaded elsewhere: from slot 5 of block 5 on, through blocks 1 and 6.
+    assert tier.load(CHUNK, caches, [5, 1, 6], 70, 5, 32) == "ok"
     for layer in range(2):
-        assert torch.equal(caches[layer][[5, 1, 6]], kv[layer])
-    assert tier.load(OTHER, caches, [2], 10) == "miss"
-    assert tier.load(CHUNK, caches, [2, 3], 70).startswith("mismatch")  # wrong block count
+        src = torch.cat([source[layer][2, :, 20:], source[layer][4], source[layer][7, :, :26]], 1)
+        dst = torch.cat([caches[layer][5, :, 5:], caches[layer][1], caches[layer][6, :, :11]], 1)
+        assert torch.equal(src, dst)
+        assert not caches[layer][5, :, :5].any() and not caches[layer][6, :, 11:].any()
+    assert tier.load(OTHER, caches, [2], 10, 0, 32) == "miss"
+    assert tier.load(CHUNK, caches, [2, 3], 60, 0, 32).startswith("mismatch")  # token count
 
     tier.put(CHUNK, kv, 70)  # the mismatch dropped the entry; put it again, then corrupt it
     obj = tier.lmcache.get(lmcache_key(CHUNK, TIER_NAMESPACE))
     obj.tensor[-3:] ^= 0x5A
     obj.ref_count_down()
     before = caches[0].clone()
-    assert tier.load(CHUNK, caches, [5, 1, 6], 70) == "corrupt: digest"
+    assert tier.load(CHUNK, caches, [5, 1, 6], 70, 5, 32) == "corrupt: digest"
     assert torch.equal(caches[0], before)  # nothing reached the pool
     assert not tier.dir.marker(CHUNK).exists()  # the scheduler will compile it
     assert tier.counters["fallbacks"] == 3

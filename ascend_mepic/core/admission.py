@@ -12,8 +12,9 @@ Shared placement (the packed layout):
 * the table lists, in logical order, one entry per private run and per canonical block, so a
   private block may be listed more than once (one reference per listing).
 
-Private placement (the padded layout): every chunk block is a new private block the worker fills
-from the host store (a ``HostLoad``).
+Private placement (the baselines): every chunk token has a slot in the request's private blocks,
+packed with its prompt tokens; the worker copies the chunk's KV from the host store into them (a
+``HostLoad``) before the forward pass.
 
 Idle chunks are evicted (whole, least recently released first) only when the free blocks do not
 suffice. Later steps (decode, the rest of a split prefill) grow the table with private blocks. The
@@ -101,7 +102,7 @@ class Admission:
     ) -> list[KVCacheBlock] | None:
         """``KVCacheManager.allocate_slots`` for a tracked request: its new blocks, or None."""
         total_computed = request.num_computed_tokens + num_new_computed_tokens
-        if st.layout.packed:
+        if st.shared:
             return self._allocate_packed(
                 request,
                 st,
@@ -378,7 +379,7 @@ class Admission:
         )
         set_num_cached_blocks(self.tables, rid, num_full)
 
-    # ------------------------------------------------------------ padded layout (private placement)
+    # ------------------------------------------------------------ private placement
 
     def admit(
         self,
@@ -388,9 +389,9 @@ class Admission:
         num_need_slot: int,
         reserved: int,
     ) -> list[KVCacheBlock] | None:
-        """First allocation of a padded (private placement) request: the whole layout at once,
-        or nothing (the request keeps waiting). Chunk blocks are private, filled from the host
-        store."""
+        """First allocation of a private-placement request: the whole layout at once, or
+        nothing (the request keeps waiting). Chunk tokens sit in its private blocks, copied from
+        the host store (``HostLoad``) and then overwritten where the policy recomputes them."""
         layout, bs = st.layout, self.block_size
         n_hit = len(hits)
         num_table = max(layout.num_blocks, -(-num_need_slot // bs))
@@ -408,14 +409,13 @@ class Admission:
         self.block_pool.touch(hits)
         table = list(hits) + self.block_pool.get_new_blocks(num_table - n_hit)
         loads = [
-            HostLoad(st.chunk_ids[spec.segment], i - layout.spans[spec.segment].first_block,
-                     table[i].block_id)
-            for i, spec in enumerate(layout.blocks)
-            if i >= n_hit and st.roles[i] is BlockRole.LOAD
-        ]  # fmt: skip
+            HostLoad(chunk_id, offset, n, table[entry].block_id, slot)
+            for entry, chunk_id, offset, n, slot in st.host_runs
+            if entry >= n_hit
+        ]
         install_block_table(self.tables, request.request_id, table, n_hit)
         self.host_loads.extend(loads)
-        self.counters.blocks_loaded += len(loads)
+        self.counters.blocks_loaded += len({x.block_id for x in loads})
         st.plan = RequestPlan(
             request.request_id,
             layout,

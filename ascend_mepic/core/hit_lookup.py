@@ -27,7 +27,7 @@ class HitLookup:
     def longest_hit(self, request: Request, st: RequestState) -> list[KVCacheBlock]:
         """Leading blocks already in the pool: prefix-cache hits and resident chunk blocks."""
         hits: list[KVCacheBlock] = []
-        if st.layout.packed:
+        if st.shared:
             # The last prompt token is always recomputed: at most (n - 1) // B full blocks.
             for block_hash in request.block_hashes[
                 : (st.num_in_context - 1) // st.layout.block_size

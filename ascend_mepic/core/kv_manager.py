@@ -233,9 +233,9 @@ class MepicKVCacheManager(KVCacheManager):
         """Register a request carrying ``extra_args[EXTRA_ARGS_KEY]``; False if it has none.
 
         The request arrives with its real prompt tokens and segment lengths. After validation
-        (``inspect``) the engine request is rewritten to its in-context tokens only, in layout
-        order: prompt tokens and the chunk tokens the policy computes in context (for MEPIC each
-        chunk's first block). Those are all vLLM schedules for it; other chunk tokens are shared,
+        (``inspect``) the engine request is rewritten to its in-context tokens only, in order:
+        prompt tokens and the chunk tokens the policy computes in context (for MEPIC each chunk's
+        first 16). Those are all vLLM schedules for it; other chunk tokens are shared,
         loaded, or compiled as separate sequences. Policies that load chunk KV must have their
         chunks stored first (``stage``).
         """
@@ -326,7 +326,7 @@ class MepicKVCacheManager(KVCacheManager):
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         hits = self.lookup.longest_hit(request, st)
-        if st.layout.packed:  # hits are private blocks of the dense private stream
+        if st.shared:  # hits are private blocks of the dense private stream
             return self.create_kv_cache_blocks((hits,)), len(hits) * self.mepic_block_size, 0
         return self.create_kv_cache_blocks((hits,)), st.compact_before[len(hits)], 0
 
@@ -380,7 +380,7 @@ class MepicKVCacheManager(KVCacheManager):
         st = self._states.get(request.request_id)
         if st is None:
             super().cache_blocks(request, num_computed_tokens)
-        elif st.allocated and self.enable_caching and st.layout.packed:
+        elif st.allocated and self.enable_caching and st.shared:
             self.admission.cache_packed(request, st, num_computed_tokens)
         elif st.allocated and self.enable_caching:
             self.admission.cache_private(request, st, st.padded_end(num_computed_tokens))

@@ -13,7 +13,7 @@ class Residency(str, enum.Enum):
     RESIDENT = "resident"  # canonical blocks already computed and shared
     IN_FLIGHT = "in-flight"  # being compiled by another request in this same step
     COMPILE = "compile"  # first time: this request compiles it
-    SINGLE_BLOCK = "single-block"  # fits in its first block: nothing to share, computed in context
+    SINGLE_BLOCK = "single-block"  # no canonical tokens (L <= k): computed in context
     HOST = "host"  # private placement: copied from the host store into the request's blocks
 
 
@@ -128,11 +128,14 @@ class SequencePlacement:
 
 @dataclass(frozen=True)
 class HostLoad:
-    """Copy block ``offset`` of a chunk's host-store entry into private block ``block_id``."""
+    """Copy tokens ``[offset, offset + num_tokens)`` of a chunk's host-store entry into private
+    block ``block_id`` from slot ``slot`` on."""
 
     chunk_id: ChunkId
     offset: int
+    num_tokens: int
     block_id: int
+    slot: int
 
 
 @dataclass(frozen=True)

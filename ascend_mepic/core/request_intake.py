@@ -31,7 +31,6 @@ from ascend_mepic.core.segments import (
     Layout,
     Segment,
     SegmentKind,
-    build_layout,
     build_packed_layout,
     layout_from_real,
     segments_from_real,
@@ -67,6 +66,10 @@ class RequestState:
     # private-stream order (in-context token i, then decode tokens, sit in block i // B).
     private_tokens: list[int] = field(default_factory=list)
     private_blocks: list[KVCacheBlock] = field(default_factory=list)
+    shared: bool = False  # shared placement (the chunk cache); else private copies
+    # Private placement: host-store copies per table entry, (entry, chunk id, first chunk token,
+    # tokens, first slot): the chunk tokens of each entry, copied before the forward pass.
+    host_runs: list[tuple[int, ChunkId, int, int, int]] = field(default_factory=list)
 
     def set_layout(self, layout: Layout) -> None:
         """(Re)lay the request out: a packed layout is final only once its chunks are placed."""
@@ -223,7 +226,7 @@ class RequestIntake:
             )
         self.room.check_request(layout, chunk_ids)
         private = policy.placement is Placement.PRIVATE
-        if layout.packed:  # private blocks, canonical blocks of every chunk, compile scratch
+        if policy.packed:  # private blocks, canonical blocks of every chunk, compile scratch
             worst_case = layout.num_private_blocks + sum(
                 -(-sp.private_tokens // self.block_size) + sp.num_shared
                 for sp in layout.chunk_spans
@@ -241,15 +244,14 @@ class RequestIntake:
         return layout, chunk_ids
 
     def layout_for(self, segments: list[Segment], chunk_ids: dict[int, ChunkId | None]) -> Layout:
-        """Shared placement: the packed layout with its chunks' private token counts (before
-        admission, at the worst start slots); otherwise the padded layout."""
+        """The packed layout. Shared placement: each chunk's private token count (before
+        admission, at the worst start slots). Private placement: every chunk token is private
+        (a request's private copy, packed with its prompt tokens, no padding)."""
         policy = self.settings.policy
-        if not policy.packed:
-            return build_layout(segments, self.block_size)
         private = [
             policy.private_tokens(len(seg.token_ids), self.block_size)
-            if chunk_ids[i] is not None
-            else len(seg.token_ids)
+            if policy.packed and chunk_ids[i] is not None
+            else len(seg.token_ids)  # private placement: every chunk token in private blocks
             for i, seg in enumerate(segments)
             if seg.kind is SegmentKind.CHUNK
         ]
@@ -258,9 +260,9 @@ class RequestIntake:
     def build(
         self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
     ) -> RequestState:
-        if layout.packed:
+        if self.settings.policy.packed:
             return self._build_packed(request, layout, chunk_ids)
-        return self._build_padded(request, layout, chunk_ids)
+        return self._build_private(request, layout, chunk_ids)
 
     def _build_packed(
         self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
@@ -286,41 +288,45 @@ class RequestIntake:
             SequencePlacement((), 0),  # set at admission, once the chunks are placed
             pin=bool(extra.get(PIN_KEY)),
             private_tokens=[sp.private_tokens for sp in layout.chunk_spans],
+            shared=True,
         )
         st.set_layout(layout)
         return st
 
-    def _build_padded(
+    def _build_private(
         self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
     ) -> RequestState:
-        """The state of an inspected request; rewrites the engine request to match.
-
-        After this the engine request holds its in-context tokens only, in layout order: prompt
-        tokens and the chunk tokens the policy computes in context (for MEPIC each chunk's first
-        block). Those are all vLLM schedules for it; other chunk tokens are shared, loaded, or
-        compiled as separate sequences.
-        """
+        """Private placement (the baselines): every token has a slot in the request's private
+        blocks; vLLM schedules the prompt tokens and the chunk tokens the policy computes in
+        context ("fresh"), and the other chunk tokens are copied from the host store."""
         extra = request.sampling_params.extra_args
         bs, policy = layout.block_size, self.settings.policy
-        roles = [BlockRole.PRIVATE] * layout.num_blocks
+        slot_of = {p: i for i, p in enumerate(layout.slot_positions()) if p >= 0}
         fresh: set[int] = set()
+        chunk_of: dict[int, tuple[ChunkId, int]] = {}  # layout index -> (chunk, chunk offset)
         for ci, span in enumerate(layout.chunk_spans):
             chunk_id = chunk_ids[span.segment]
-            base = span.first_block * bs + span.pad
+            slots = [slot_of[span.first_position + o] for o in range(span.num_tokens)]
             if chunk_id is None:
-                fresh.update(range(base, base + span.num_tokens))
+                fresh.update(slots)
                 continue
             scores = self.settings.store.scores(chunk_id) if policy.needs_scores else None
-            offsets = policy.fresh_tokens(ci, span.num_tokens, bs, scores)
-            fresh.update(base + o for o in offsets)
-            for j in range(span.num_blocks):
-                b = span.first_block + j
-                roles[b] = BlockRole.LOAD  # private placement: filled from the host store
+            fresh.update(slots[o] for o in policy.fresh_tokens(ci, span.num_tokens, bs, scores))
+            chunk_of.update((slot, (chunk_id, o)) for o, slot in enumerate(slots))
+        runs: list[tuple[int, ChunkId, int, int, int]] = []
+        for slot in sorted(chunk_of):
+            chunk_id, offset = chunk_of[slot]
+            entry, t = divmod(slot, bs)
+            last = runs[-1] if runs else None
+            if last and last[:2] == (entry, chunk_id) and last[2] + last[3] == offset:
+                runs[-1] = (entry, chunk_id, last[2], last[3] + 1, last[4])
+            else:
+                runs.append((entry, chunk_id, offset, 1, t))
+        roles = [BlockRole.PRIVATE] * layout.num_blocks
+        for entry, *_ in runs:
+            roles[entry] = BlockRole.LOAD  # private placement: filled from the host store
         compact_slots = sorted(
-            slot
-            for spec in layout.blocks
-            for slot in range(spec.index * bs + spec.valid_start, spec.index * bs + spec.valid_end)
-            if spec.kind is BlockKind.PROMPT or slot in fresh
+            slot for slot in slot_of.values() if slot not in chunk_of or slot in fresh
         )
         compact_before = [0] * (layout.num_blocks + 1)
         for slot in compact_slots:
@@ -340,6 +346,7 @@ class RequestIntake:
             num_in_context=len(compact_slots),
             fresh_slots=tuple(compact_slots),
             blend=(policy.ratio, policy.check_layer) if policy.dynamic else None,
+            packing=tuple((sp.num_tokens, 0) for sp in layout.chunk_spans),
         )
         return RequestState(
             layout,
@@ -349,6 +356,7 @@ class RequestIntake:
             compact_slots,
             compact_before,
             pin=bool(extra.get(PIN_KEY)),
+            host_runs=runs,
         )
 
     def named_chunks(self, request: Request) -> list[ChunkId]:

@@ -289,9 +289,11 @@ def build_packed_layout(
     stream = 0  # tokens of the private stream placed so far
     position = 0
 
-    def place_private(count: int, segment: int) -> None:
+    def place_private(count: int, segment: int) -> int:
+        """Append ``count`` tokens to the private stream; the entry of the first one."""
         nonlocal stream
         pos = position
+        first = len(entries)
         while count > 0:
             p, slot = divmod(stream, bs)
             take = min(count, bs - slot)
@@ -301,11 +303,14 @@ def build_packed_layout(
                     prev.index, prev.kind, prev.segment, prev.valid_start, slot + take,
                     prev.first_position, p,
                 )  # fmt: skip
+                if pos == position:
+                    first = prev.index
             else:
                 entries.append(
                     BlockSpec(len(entries), BlockKind.PRIVATE, segment, slot, slot + take, pos, p)
                 )
             stream, pos, count = stream + take, pos + take, count - take
+        return first
 
     chunk = 0
     for i, seg in enumerate(segments):
@@ -314,7 +319,7 @@ def build_packed_layout(
             raise LayoutError(f"segment {i} ({seg.kind.value}) is empty")
         first_entry = len(entries)
         if seg.kind is SegmentKind.PROMPT:
-            place_private(n, i)
+            first_entry = place_private(n, i)
             spans.append(SegmentSpan(i, seg.kind, first_entry, len(entries) - first_entry, 0,
                                      position, n))  # fmt: skip
             position += n
@@ -325,7 +330,8 @@ def build_packed_layout(
             raise LayoutError(f"chunk segment {i}: {k} private tokens of {n}")
         if not 0 <= offset < bs:
             raise LayoutError(f"chunk segment {i}: start slot {offset} outside a block of {bs}")
-        place_private(k, i)
+        if k:
+            first_entry = place_private(k, i)
         m = n - k
         shared_first = len(entries)
         base = position + k

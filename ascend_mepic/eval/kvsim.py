@@ -5,7 +5,8 @@ request arrives at ``arrival``, is admitted in FIFO order when the pool has room
 blocking, as vLLM's scheduler does), holds its KV (prompt plus ``output_tokens``) for ``duration``
 seconds, then frees it. Placements:
 
-* ``mepic``: the MEPIC manager; chunks shared in canonical blocks, first blocks private.
+* ``mepic``: the MEPIC manager (packed layout); chunks' canonical tokens shared, packed back to
+  back; each chunk's first 16 tokens private, packed with the request's prompt tokens.
 * ``private``: every request holds its own copy of every chunk (what EPIC and CacheBlend do on the
   device); stock vLLM manager without prefix caching on the concatenated tokens.
 * ``prefix``: stock vLLM prefix caching on the concatenated tokens.
@@ -51,6 +52,7 @@ OUTPUT_KEYS = (
     "chunk_evictions",
     "tokens_total",
     "tokens_computed",
+    "chunk_slot_utilisation",
     "timeline",
 )
 SIM_MODEL = "kvsim"
@@ -165,6 +167,7 @@ class KVSim:
         self.admitted = 0
         self.tokens_total = 0
         self.tokens_computed = 0
+        self.slot_utilisation: list[float] = []  # chunk cache, per step (MEPIC only)
 
     def used_blocks(self) -> int:
         m = self.manager
@@ -227,6 +230,8 @@ class KVSim:
             # The step that computed the admitted prompts ends: compiles land, scratch is freed.
             self.manager.new_step_starts()
             self.timeline.append([round(now, 6), self.used_blocks()])
+            if isinstance(self.manager, MepicKVCacheManager):
+                self.slot_utilisation.append(self.manager.chunk_cache.slot_utilisation())
         return self.report()
 
     def _request(self, tr: TraceRequest) -> Request | None:
@@ -276,6 +281,13 @@ class KVSim:
             "chunk_evictions": evictions,
             "tokens_total": self.tokens_total,
             "tokens_computed": computed,
+            # Canonical tokens / slots of the blocks holding them (1.0 = no padding, no holes),
+            # the mean over steps; None for the stock-vLLM placements.
+            "chunk_slot_utilisation": round(
+                sum(self.slot_utilisation) / len(self.slot_utilisation), 4
+            )
+            if self.slot_utilisation
+            else None,
             "timeline": self.timeline,
         }
         assert tuple(result) == OUTPUT_KEYS
@@ -302,15 +314,18 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
     base = next((r for r in results if r["placement"] == "mepic"), None)
     head = (
         "| placement | requests | rejected | peak blocks | mean blocks | peak usage | "
-        "chunk hits | misses | evictions | tokens computed | peak vs mepic |"
+        "chunk hits | misses | evictions | tokens computed | chunk slot use | peak vs mepic |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for r in results:
         ratio = r["peak_blocks"] / base["peak_blocks"] if base and base["peak_blocks"] else 0
+        slot_use = r["chunk_slot_utilisation"]
+        slot_use = "-" if slot_use is None else f"{slot_use:.1%}"
         lines.append(
             f"| {r['placement']} | {r['requests']} | {r['rejected']} | {r['peak_blocks']} | "
             f"{r['mean_blocks']:.1f} | {r['peak_usage']:.1%} | {r['chunk_hits']} | "
             f"{r['chunk_misses']} | {r['chunk_evictions']} | {r['tokens_computed']} | "
+            f"{slot_use} | "
             f"{ratio:.2f}x |"
         )
     return "\n".join(lines)

@@ -20,8 +20,9 @@ policy         fresh chunk tokens (chunk-relative offsets; f = real tokens of th
 ============== ==================================================================================
 full           all
 naive          none
-mepic          0..f-1 (a chunk of at most one block: all)
-mepic-K        0..min(K, f)-1 (a chunk of at most one block: all)
+mepic          0..15 (a chunk of at most 16 tokens: all)
+mepic-K        0..K-1 (a chunk of at most K tokens: all)
+mepic-block    0..f-1 (a chunk of at most one block: all): the paper's first-block policy
 epic-K         none in chunk 0; 0..min(K, L)-1 in later chunks
 legolink-0     none (canonical KV computed after 4 dummy tokens)
 cacheblend-R   all at layers <= check layer; above it the top ceil(R% of the request's chunk

@@ -209,7 +209,7 @@ def choose_load(load_s_per_token: float | None, compute_s_per_token: float | Non
 
     CacheTune's section 4.3 sets the recompute share to r0 = t_i / (t_c + t_i) from the
     per-token transfer (t_i) and compute (t_c) costs. A MEPIC chunk is either loaded whole or
-    compiled whole (its first block is recomputed in context either way), so the decision is
+    compiled whole (its private tokens are recomputed in context either way), so the decision is
     r0 < 1/2, i.e. t_i < t_c. Until both costs are measured the tier is used (loading has been
     cheaper on every host measured; see the README).
     """

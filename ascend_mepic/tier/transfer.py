@@ -36,6 +36,29 @@ def load_blocks(
         cache.index_copy_(0, dst, stored[layer].index_select(0, src).to(cache.device))
 
 
+def load_stored_tokens(
+    caches: Sequence[torch.Tensor],
+    stored: torch.Tensor,
+    num_tokens: int,
+    runs: Sequence[tuple[int, int, int, int]],
+    block_size: int,
+) -> None:
+    """Copy token runs of a host-store entry (``save_blocks`` of a padded compile: the chunk's
+    ``num_tokens`` real tokens are its last slots) into private slots: each run is
+    ``(first chunk token, tokens, block id, first slot)``."""
+    device = caches[0].device
+    src = torch.cat([torch.arange(o, o + n) for o, n, _, _ in runs])
+    dst_blocks = torch.cat([torch.full((n,), b, dtype=torch.long) for _, n, b, _ in runs])
+    dst_slots = torch.cat([torch.arange(t, t + n) for _, n, _, t in runs])
+    num_blocks = stored.shape[1]
+    src = src + num_blocks * block_size - num_tokens  # skip the front pad
+    dst_blocks, dst_slots = dst_blocks.to(device), dst_slots.to(device)
+    for layer, c in enumerate(caches):
+        tokens = stored[layer].reshape(num_blocks, 2, block_size, -1).transpose(0, 1)
+        tokens = tokens.reshape(2, num_blocks * block_size, -1)[:, src].transpose(0, 1)
+        c.view(c.shape[0], 2, block_size, -1)[dst_blocks, :, dst_slots] = tokens.to(c.device)
+
+
 def _token_index(
     block_ids: Sequence[int], offset: int, num_tokens: int, block_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:

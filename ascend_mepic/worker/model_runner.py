@@ -129,7 +129,7 @@ class MepicRunnerMixin:
         self._step_loaded = True
 
     def _load_chunks(self, loads: tuple[HostLoad, ...]) -> None:
-        """Fill request-private blocks from the host store (before the forward pass)."""
+        """Fill request-private slots from the host store (before the forward pass)."""
         by_chunk: dict[str, list[HostLoad]] = {}
         for load in loads:
             by_chunk.setdefault(load.chunk_id, []).append(load)
@@ -139,10 +139,14 @@ class MepicRunnerMixin:
             stored = self._store.get(chunk_id)
             if stored is None:
                 raise RuntimeError(f"chunk {chunk_id[:12]} is not in the host store")
-            kv_transfer.load_blocks(
-                self.kv_caches, stored.kv, [x.offset for x in group], [x.block_id for x in group]
+            kv_transfer.load_stored_tokens(
+                self.kv_caches,
+                stored.kv,
+                stored.num_tokens,
+                [(x.offset, x.num_tokens, x.block_id, x.slot) for x in group],
+                self.mepic_block_size,
             )
-            self._store.record_load(stored, len(group) / stored.kv.shape[1])
+            self._store.record_load(stored, sum(x.num_tokens for x in group) / stored.num_tokens)
 
     def _save_compiles(self, saves: tuple[ChunkSave, ...]) -> None:
         """Keep this step's host-store compiles (right after the forward pass wrote them)."""

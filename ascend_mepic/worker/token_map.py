@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ascend_mepic.core.plan import SequencePlacement
-from ascend_mepic.core.segments import BlockKind, layout_from_lengths
+from ascend_mepic.core.segments import layout_from_lengths
 from ascend_mepic.vllm_integration.channel import StepPlanError
 
 
@@ -31,7 +31,7 @@ class TokenMap:
     first_pos: np.ndarray  # [layout blocks]
     valid_start: np.ndarray
     valid_end: np.ndarray
-    chunk_block: np.ndarray  # [layout blocks] True for a chunk's block
+    chunk_position: np.ndarray  # [real_len] True where the logical position is a chunk token
 
     @classmethod
     def from_placement(cls, placement: SequencePlacement, block_size: int) -> TokenMap:
@@ -52,6 +52,9 @@ class TokenMap:
             )
         positions = np.asarray(layout.slot_positions(), dtype=np.int64)
         padded = np.asarray(slots, dtype=np.int64)
+        chunk_position = np.zeros(layout.num_real_tokens, dtype=bool)
+        for span in layout.chunk_spans:
+            chunk_position[span.first_position : span.first_position + span.num_tokens] = True
         valid_end = np.asarray([b.valid_end for b in layout.blocks], dtype=np.int64)
         if not placement.compile:
             valid_end[-1] = block_size  # decode continues in the last block
@@ -64,16 +67,14 @@ class TokenMap:
             first_pos=np.asarray([b.first_position for b in layout.blocks], dtype=np.int64),
             valid_start=np.asarray([b.valid_start for b in layout.blocks], dtype=np.int64),
             valid_end=valid_end,
-            chunk_block=np.asarray(
-                [b.kind not in (BlockKind.PROMPT, BlockKind.PRIVATE) for b in layout.blocks]
-            ),
+            chunk_position=chunk_position,
         )
 
     def is_chunk_token(self, index: np.ndarray) -> np.ndarray:
         """Whether the request's tokens number ``index`` are chunk tokens (not prompt/decode)."""
         inside = index < self.num_in_context
-        padded = self.padded[np.minimum(index, self.num_in_context - 1)]
-        return inside & self.chunk_block[padded // self.block_size]
+        position = self.position[np.minimum(index, self.num_in_context - 1)]
+        return inside & self.chunk_position[position]
 
     @property
     def num_in_context(self) -> int:

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ascend_mepic.core.segments import Segment, build_layout
+from ascend_mepic.core.segments import (
+    Layout,
+    Segment,
+    SegmentKind,
+    build_layout,
+    build_packed_layout,
+)
 from ascend_mepic.ops import RopeSpec, SequenceSpec, build_metadata, write_kv
 from ascend_mepic.ops.metadata import PagedRopeMetadata
 from ascend_mepic.ops.rope import default_cos_sin_cache
@@ -75,6 +81,50 @@ class Batch:
     rotated_cache: torch.Tensor
 
 
+def _random_layout(segs: list[Segment], block_size: int, rng: random.Random) -> Layout:
+    if rng.random() < 0.5:
+        return build_layout(segs, block_size)
+    private, offsets, fill = [], [], rng.randrange(block_size)
+    for seg in segs:
+        if seg.kind is SegmentKind.CHUNK:
+            n = len(seg.token_ids)
+            k = rng.choice([0, min(n, 16), rng.randint(0, n)])
+            private.append(k)
+            offsets.append(fill)
+            fill = (fill + n - k) % block_size
+    return build_packed_layout(segs, block_size, private, offsets)
+
+
+def _table(layout: Layout, ids: list[int]) -> list[int]:
+    """Physical blocks per table entry: one per private block (however often listed) and, for
+    the packed layout, chunks packed back to back (a chunk's last block is the next's first)."""
+    if not layout.packed:
+        return [ids.pop() for _ in range(layout.num_blocks)]
+    private = [ids.pop() for _ in range(layout.num_private_blocks)]
+    table, arena, last = [], [], None
+    for span in layout.spans:
+        if span.num_shared == 0:
+            continue
+        first = layout.blocks[span.shared_first]
+        reuse = last is not None and first.valid_start > 0
+        blocks = ([last] if reuse else []) + [
+            ids.pop() for _ in range(span.num_shared - (1 if reuse else 0))
+        ]
+        arena.append(blocks)
+        end = layout.blocks[span.shared_first + span.num_shared - 1].valid_end
+        last = blocks[-1] if end < layout.block_size else None
+    chunk = iter(arena)
+    current: list[int] = []
+    for spec in layout.blocks:
+        if spec.private_block >= 0:
+            table.append(private[spec.private_block])
+        else:
+            if spec.shared_index == 0:
+                current = next(chunk)
+            table.append(current[spec.shared_index])
+    return table
+
+
 def random_batch(
     seed: int,
     block_size: int,
@@ -87,7 +137,9 @@ def random_batch(
     decode: bool = False,
     max_segment: int = 90,
 ) -> Batch:
-    """Random MEPIC layouts (front-padded chunks, back-padded prompts), scattered queries."""
+    """Random MEPIC layouts, scattered queries: the padded layout (front-padded chunks,
+    back-padded prompts) or the packed one (a private block listed once per run, chunks' canonical
+    tokens packed back to back, so one block may serve two chunks with disjoint ranges)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     base = rng.choice([10000.0, 500000.0])
@@ -100,10 +152,8 @@ def random_batch(
         segs.append(Segment.prompt(range(1, rng.randint(2, max_segment))))
         if rng.random() < 0.3:  # a compile: a chunk computed alone as its own sequence
             n = rng.randint(2, max_segment)
-            layout = build_layout([Segment.chunk(range(n)), Segment.prompt([1])], block_size)
-        else:
-            layout = build_layout(segs, block_size)
-        layouts.append(layout)
+            segs = [Segment.chunk(range(n)), Segment.prompt([1])]
+        layouts.append(_random_layout(segs, block_size, rng))
     total_blocks = sum(layout.num_blocks for layout in layouts) + 4
     ids = list(range(1, total_blocks + 1))
     rng.shuffle(ids)
@@ -112,7 +162,7 @@ def random_batch(
     rope = RopeSpec.from_cache(cos_sin, neox)
     rotated = kv_cache.clone()
     for layout in layouts:
-        table = [ids.pop() for _ in range(layout.num_blocks)]
+        table = _table(layout, ids)
         positions = layout.slot_positions()
         real = [i for i, p in enumerate(positions) if p >= 0]
         if decode:
