@@ -73,7 +73,9 @@ class HostStoreStaging:
             if chunk_id in self.pending:
                 continue
             tokens = layout.chunk_tokens(span)
-            num_blocks = span.num_blocks
+            # The store keeps the chunk's padded layout (front pad, whole blocks), whatever
+            # layout the request uses; loads copy its tokens to wherever the request keeps them.
+            num_blocks = -(-len(tokens) // layout.block_size)
             dummy = (self.settings.dummy_token_id,) * policy.dummy_tokens
             table_len = num_blocks + (1 if dummy else 0)
             if (
