@@ -29,7 +29,7 @@ import torch
 from ascend_mepic.eval.policy_reference import PolicyReference, PromptState, parse_policy
 from ascend_mepic.eval.squad_metrics import bootstrap_mean, exact_match, f1, paired_bootstrap
 
-DEFAULT_POLICIES = "full,naive,epic-16,legolink-0,cacheblend-15,cachetune-15,mepic,mepic-4"
+DEFAULT_POLICIES = "full,naive,epic-16,legolink-0,cacheblend-15,cachetune-15,mepic,mepic-block"
 
 
 def _kl(ref: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
