@@ -47,9 +47,9 @@ demo: setup
 	$(VENV)/bin/ascend-mepic trace squad --requests 200 --qps 25 --chunks 4 --seed 0 \
 		--tokenizer smollm2 > $(DEMO_DIR)/squad_trace.jsonl
 	$(VENV)/bin/ascend-mepic kvsim $(DEMO_DIR)/squad_trace.jsonl --placement all \
-		--block-size 32 --num-blocks 2048 --json $(DEMO_DIR)/kvsim.json
-	$(VENV)/bin/ascend-mepic bench compare --quick --no-progress --out $(DEMO_DIR)/bench_compare
-	$(VENV)/bin/ascend-mepic bench qps --quick --no-progress --out $(DEMO_DIR)/bench_qps
+		--block-size 128 --num-blocks 2048 --json $(DEMO_DIR)/kvsim.json
+	$(VENV)/bin/ascend-mepic bench compare --quick --block-size 128 --kv-gib 3 --no-progress \
+		--out $(DEMO_DIR)/bench_compare
 
 bench: setup
 	$(PY) benchmarks/bench_kvsim.py
