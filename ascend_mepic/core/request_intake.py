@@ -2,9 +2,9 @@
 
 A request arrives with its real prompt tokens and segment lengths (``extra_args[EXTRA_ARGS_KEY]``).
 ``RequestIntake.inspect`` checks it before anything is allocated (so a bad request never disturbs
-others) and names its cached chunks; ``RequestIntake.build`` then decides each layout block's role,
-rewrites the engine request to its in-context tokens and layout-keyed block hashes, and returns the
-``RequestState`` the rest of the manager works from.
+others) and names its cached chunks; ``RequestIntake.build`` then rewrites the engine request to
+its in-context tokens (its private stream under shared placement) and their prefix-cache hashes,
+and returns the ``RequestState`` the rest of the manager works from.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class RequestState:
     chunk_ids: dict[int, ChunkId | None]  # chunk segment -> identity; None if not cached
     roles: list[BlockRole]  # per layout block
     placement: SequencePlacement  # what the worker needs to place its tokens
-    compact_slots: list[int] = field(default_factory=list)  # padded index of in-context token i
-    compact_before: list[int] = field(default_factory=list)  # in-context tokens before block i
+    compact_slots: list[int] = field(default_factory=list)  # layout index of in-context token i
+    compact_before: list[int] = field(default_factory=list)  # in-context tokens before entry i
     entries: list[ChunkEntry] = field(default_factory=list)  # acquired, one per occurrence
     scratch: list[KVCacheBlock] = field(default_factory=list)
     plan: RequestPlan | None = None
@@ -91,7 +91,7 @@ class RequestState:
         return len(self.compact_slots)
 
     def padded_end(self, num_tokens: int) -> int:
-        """Padded length covering the request's first ``num_tokens`` (in-context, then decode)."""
+        """Layout length covering the request's first ``num_tokens`` (in-context, then decode)."""
         if num_tokens <= 0:
             return 0
         if num_tokens <= self.num_in_context:
@@ -106,9 +106,12 @@ def mepic_block_hashes(
     cache_salt: str | None,
     policy: str = "mepic",
 ) -> list[BlockHash]:
-    """Prefix-chained hashes of the layout's full blocks, with a layout key on every block.
+    """Private placement: prefix-chained hashes of the layout's full blocks, with a layout key
+    (policy, entry kind and valid range) on every block.
 
-    The key makes the same tokens under a different segmentation (hence different KV) miss.
+    Only blocks before the first chunk are ever inserted (``Admission.cache_private``: the
+    baselines' systems do not combine chunk KV with prefix caching), so those blocks hold prompt
+    tokens only and their KV depends on nothing but the chain.
     """
     bs = layout.block_size
     hashes: list[BlockHash] = []

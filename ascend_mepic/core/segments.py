@@ -1,10 +1,17 @@
-"""Segments and the canonical, block-aligned MEPIC layout.
+"""Segments and the two MEPIC layouts of a request's block table.
 
 A request is an ordered list of segments: ``prompt`` (request-specific) or ``chunk`` (reusable,
-immutable). For block size B the layout pads every chunk at the *front* to whole blocks, so it ends
-on a block boundary and every block after its first is full and identical in every request (those
-are the shareable canonical blocks). Every prompt segment but the last is padded at the *back*; the
-last one is not padded, so decoding continues right after it.
+immutable). A layout lists the request's block-table *entries* in logical order; each is one
+contiguous slot range of one physical block with the logical position of its first token, so the
+attention op can read any arrangement (``ops/metadata.py``).
+
+* ``build_packed_layout`` (shared placement, and private placement's copies): the request's
+  *private stream* (prompt tokens and each chunk's first ``k`` tokens) is packed densely into its
+  private blocks, and each chunk's other (canonical) tokens are entries into the chunk cache's
+  blocks, packed back to back with other chunks'. No padding anywhere; a private block is listed
+  once per run of the stream that a chunk's canonical tokens interrupt.
+* ``build_layout`` (the paper's first design, kept for host-store compiles and tests): every chunk
+  is padded at the *front* to whole blocks and every prompt segment but the last at the *back*.
 
 Logical positions count real tokens only: a real token's position (used for RoPE) equals its
 position in the unsegmented prompt. Pads have no position and are never attended to.
@@ -105,7 +112,7 @@ class SegmentSpan:
 
 @dataclass(frozen=True)
 class Layout:
-    """The canonical padded layout of one request's prompt."""
+    """One request's prompt laid out as block-table entries (padded or packed)."""
 
     block_size: int
     segments: tuple[Segment, ...]
@@ -188,7 +195,7 @@ class Layout:
 def build_layout(
     segments: Sequence[Segment], block_size: int, allow_trailing_chunk: bool = False
 ) -> Layout:
-    """Lay segments out canonically for ``block_size``; raises LayoutError on invalid input.
+    """The padded layout for ``block_size``; raises LayoutError on invalid input.
 
     ``allow_trailing_chunk`` is only for a chunk's compile (the chunk alone, no question).
     """
