@@ -350,15 +350,23 @@ class Admission:
         missing = num_private - len(st.private_blocks)
         if missing <= 0:
             return []
-        free = self.block_pool.get_num_free_blocks() - reserved
-        if missing > free and missing > free + self.chunk_cache.lru.evictable_blocks(st.entries):
+        if not self._make_room(missing, reserved, st.entries):
             return None
-        if missing > free:
-            self.chunk_cache.evict_until_free(missing + reserved, st.entries)
         new_blocks = self.block_pool.get_new_blocks(missing)
         st.private_blocks.extend(new_blocks)
         block_table(self.tables, request.request_id).extend(new_blocks)
         return new_blocks
+
+    def _make_room(self, need: int, reserved: int, protect: list[ChunkEntry]) -> bool:
+        """``need`` free blocks beside ``reserved``, evicting idle chunks (not ``protect``) if
+        that suffices; False (nothing evicted) if it cannot."""
+        free = self.block_pool.get_num_free_blocks() - reserved
+        if need <= free:
+            return True
+        if need > free + self.chunk_cache.lru.evictable_blocks(protect):
+            return False
+        self.chunk_cache.evict_until_free(need + reserved, protect)
+        return True
 
     def cache_packed(self, request: Request, st: RequestState, num_tokens: int) -> None:
         """Insert the full private blocks of the prompt into vLLM's prefix cache (canonical
@@ -480,11 +488,8 @@ class Admission:
         missing = -(-num_need_slot // self.block_size) - len(table)
         if missing <= 0:
             return []
-        free = self.block_pool.get_num_free_blocks() - reserved
-        if missing > free and missing > free + self.chunk_cache.lru.evictable_blocks(st.entries):
+        if not self._make_room(missing, reserved, st.entries):
             return None
-        if missing > free:
-            self.chunk_cache.evict_until_free(missing + reserved, st.entries)
         new_blocks = self.block_pool.get_new_blocks(missing)
         table.extend(new_blocks)
         return new_blocks

@@ -192,13 +192,10 @@ class Layout:
         return [[s.kind.value, len(s.token_ids)] for s in self.segments]
 
 
-def build_layout(
-    segments: Sequence[Segment], block_size: int, allow_trailing_chunk: bool = False
-) -> Layout:
-    """The padded layout for ``block_size``; raises LayoutError on invalid input.
-
-    ``allow_trailing_chunk`` is only for a chunk's compile (the chunk alone, no question).
-    """
+def _check_segments(
+    segments: Sequence[Segment], block_size: int, allow_trailing_chunk: bool
+) -> int:
+    """Checks both layouts share; returns the last segment's index."""
     if block_size <= 0:
         raise LayoutError(f"block size must be positive, got {block_size}")
     if not segments:
@@ -209,6 +206,17 @@ def build_layout(
             "the last segment must be a prompt segment (the request-specific question); "
             "a trailing chunk would have to be recomputed anyway"
         )
+    return last
+
+
+def build_layout(
+    segments: Sequence[Segment], block_size: int, allow_trailing_chunk: bool = False
+) -> Layout:
+    """The padded layout for ``block_size``; raises LayoutError on invalid input.
+
+    ``allow_trailing_chunk`` is only for a chunk's compile (the chunk alone, no question).
+    """
+    last = _check_segments(segments, block_size, allow_trailing_chunk)
     spans: list[SegmentSpan] = []
     blocks: list[BlockSpec] = []
     position = 0
@@ -274,16 +282,7 @@ def build_packed_layout(
     interrupt, and every chunk contributes one entry per block its canonical tokens touch.
     """
     bs = block_size
-    if bs <= 0:
-        raise LayoutError(f"block size must be positive, got {bs}")
-    if not segments:
-        raise LayoutError("a request needs at least one segment")
-    last = len(segments) - 1
-    if segments[last].kind is not SegmentKind.PROMPT and not allow_trailing_chunk:
-        raise LayoutError(
-            "the last segment must be a prompt segment (the request-specific question); "
-            "a trailing chunk would have to be recomputed anyway"
-        )
+    _check_segments(segments, bs, allow_trailing_chunk)
     num_chunks = sum(1 for seg in segments if seg.kind is SegmentKind.CHUNK)
     placed = offsets is not None
     offsets = list(offsets) if offsets is not None else [0] * num_chunks
