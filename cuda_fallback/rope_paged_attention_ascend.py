@@ -577,7 +577,9 @@ def rope_paged_attention_ascend(
 
     decode = kernel == "decode" or (kernel is None and meta.max_query_len <= 1)
     if decode and meta.max_query_len > 1:
-        raise ValueError(f"the decode kernel takes <= 1 query per sequence, not {meta.max_query_len}")
+        raise ValueError(
+            f"the decode kernel takes <= 1 query per sequence, not {meta.max_query_len}"
+        )
     if decode:
         splits = num_splits or decode_splits(cores, meta.num_seqs, hkv, meta.max_num_blocks)
         if splits & (splits - 1):

@@ -1,9 +1,9 @@
-"""The triton-ascend kernel (``cuda_fallback.rope_paged_attention_ascend``) under a Triton interpreter.
+"""The triton-ascend kernel (``cuda_fallback.rope_paged_attention_ascend``) under an interpreter.
 
 Runs in ``make test-ascend``'s environment, under triton-ascend's interpreter
-(``TRITON_INTERPRET=1`` from process start); elsewhere it is skipped (``TRITON_INTERPRET`` must be set
-before triton is imported, see ``tests/ops/test_triton.py``). Checked against the dense oracle and
-the torch reference; nothing here says the kernel compiles or runs on an NPU.
+(``TRITON_INTERPRET=1`` from process start); elsewhere it is skipped (``TRITON_INTERPRET`` must be
+set before triton is imported, see ``tests/ops/test_triton.py``). Checked against the dense
+oracle and the torch reference; nothing here says the kernel compiles or runs on an NPU.
 """
 
 from __future__ import annotations
