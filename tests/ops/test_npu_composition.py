@@ -15,11 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ascend_mepic.ops import npu, rope_paged_attention
+from tests.ops import npu_double
 from tests.ops.npu_double import DocumentedConstraintError, NpuOpsDouble
 from tests.ops.oracle import dense_oracle, random_batch
 
 gqa = st.sampled_from([(4, 4), (8, 2), (6, 3), (4, 1)])
 FP32 = (torch.float16, torch.bfloat16, torch.float32)
+HEAD = 128  # FIA's TND paged mode takes D = 128 on A2
 
 
 @pytest.fixture
@@ -33,7 +35,16 @@ def run(b) -> torch.Tensor:
     return npu.rope_paged_attention_npu(b.query, b.kv_cache, b.meta, b.rope, b.scale)
 
 
-@settings(max_examples=15, deadline=None)
+def batch(seed, block_size, hq, hkv, **kw):
+    kw.setdefault("max_segment", 60)
+    return random_batch(seed, block_size, hq, hkv, head=HEAD, **kw)
+
+
+def fia_calls(ops: NpuOpsDouble) -> list[dict]:
+    return [kw for name, kw in ops.calls if name == "npu_fused_infer_attention_score"]
+
+
+@settings(max_examples=12, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
     block_size=st.sampled_from([16, 32, 128]),
@@ -42,12 +53,13 @@ def run(b) -> torch.Tensor:
     decode=st.booleans(),
 )
 def test_composition_matches_dense_oracle_fp32(seed, block_size, heads, neox, decode):
-    """Index, mask and rotation logic at fp32 precision (the double is widened to take fp32)."""
+    """Index, run and rotation logic at fp32 precision (the double is widened to take fp32)."""
     ops = NpuOpsDouble(attention_dtypes=FP32)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(npu, "get_npu_ops", lambda: ops)
         mp.setattr(npu, "FIA_DTYPES", FP32)
-        b = random_batch(seed, block_size, *heads, neox=neox, decode=decode, max_segment=60)
+        mp.setattr(npu_double, "KV_CACHE_DTYPES", FP32)
+        b = batch(seed, block_size, *heads, neox=neox, decode=decode)
         out = run(b)
     want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, neox, b.scale)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
@@ -58,7 +70,7 @@ def test_composition_matches_dense_oracle_fp32(seed, block_size, heads, neox, de
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_documented_dtypes_bf16(double, block_size, neox):
-    b = random_batch(block_size + neox, block_size, 8, 2, neox=neox, dtype=torch.bfloat16)
+    b = batch(block_size + neox, block_size, 8, 2, neox=neox, dtype=torch.bfloat16)
     out = run(b)
     assert out.dtype == torch.bfloat16
     want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, neox, b.scale)
@@ -67,29 +79,62 @@ def test_documented_dtypes_bf16(double, block_size, neox):
 
 def test_fp32_query_is_attended_in_bf16(double):
     """The A2 fused op takes no fp32: fp32 inputs are rotated in fp32, attended in bf16."""
-    b = random_batch(3, 32, 6, 3, neox=False)
+    b = batch(3, 32, 6, 3, neox=False)
     out = run(b)
     assert out.dtype == torch.float32
-    fia = [kw for name, kw in double.calls if name == "npu_fused_infer_attention_score"]
+    fia = fia_calls(double)
     assert fia and all(kw["dtype"] == torch.bfloat16 for kw in fia)
     want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, False, b.scale)
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
 
 
-def test_call_shapes_follow_documented_forms(double):
-    b = random_batch(5, 16, 8, 2, decode=True)
+def test_one_paged_tnd_call_per_layer_without_dense_masks(double):
+    """Decode: one FIA call in TND paged mode, one run (FIA batch) per sequence, the shared
+    2048 x 2048 causal mask only; K/V reach the scratch through npu_scatter_pa_kv_cache."""
+    b = batch(5, 128, 8, 2, decode=True, num_seqs=4)
     run(b)
-    for name, kw in double.calls:
-        if name == "npu_fused_infer_attention_score":
-            assert kw["layout"] == "BSND" and kw["q"][1] == 1 and kw["inner_precise"] == 0
-            assert kw["mask"][0] == torch.bool and kw["mask"][1][:3] == (1, 1, 1)
-            assert kw["k"][1] % 16 == 0
+    (call,) = fia_calls(double)
+    assert call["layout"] == "TND" and call["paged"] and call["block_size"] == 128
+    assert call["sparse_mode"] == 3 and call["mask"][1] == (2048, 2048)
+    assert call["actual_seq_lengths"] == [1, 2, 3, 4]
+    scatters = [kw for name, kw in double.calls if name == "npu_scatter_pa_kv_cache"]
+    assert len(scatters) == 1 and scatters[0]["cache_mode"] == "Norm"
+
+
+def test_plan_is_built_once_per_step(double):
+    b = batch(6, 128, 4, 2)
+    run(b)
+    plan = b.meta.memo[("npu-plan", "cpu")]
+    run(b)  # a second layer of the same step
+    assert b.meta.memo[("npu-plan", "cpu")] is plan
+
+
+def test_runs_follow_visibility():
+    """Each run is consecutive rows of one sequence whose visible key counts grow by one, so
+    FIA's bottom-right causal rule reproduces MEPIC's scattered-query visibility exactly."""
+    b = batch(8, 16, 4, 2, num_seqs=4)
+    plan = npu.plan_step(b.meta, b.rope, torch.device("cpu"))
+    m = b.meta
+    loc = m.query_start_loc.tolist()
+    visible = []
+    for s in range(m.num_seqs):
+        idx = [
+            j * 16 + t
+            for j in range(int(m.num_blocks[s]))
+            for t in range(int(m.block_valid_start[s, j]), int(m.block_valid_end[s, j]))
+        ]
+        visible += [sum(1 for k in idx if k <= int(q)) for q in m.query_indices[loc[s] : loc[s + 1]]]
+    (group,) = plan.groups
+    starts = [0, *group.query_ends[:-1]]
+    for start, end, kv in zip(starts, group.query_ends, group.kv_lens, strict=True):
+        q_len = end - start
+        assert visible[start:end] == list(range(kv - q_len + 1, kv + 1))
 
 
 @pytest.mark.parametrize("decode", [False, True])
 def test_pad_slots_may_hold_nan(double, decode):
     """Never-written cache slots (pads, unused blocks) may be NaN without touching the result."""
-    b = random_batch(9, 32, 8, 2, decode=decode, dtype=torch.float16)
+    b = batch(9, 32, 8, 2, decode=decode, dtype=torch.float16)
     want = run(b)
     m = b.meta
     real = torch.zeros(b.kv_cache.shape[1:3], dtype=torch.bool)
@@ -105,21 +150,21 @@ def test_pad_slots_may_hold_nan(double, decode):
 
 
 def test_dispatch_to_npu(double, monkeypatch):
-    b = random_batch(7, 32, 4, 2, dtype=torch.float16)
+    b = batch(7, 32, 4, 2, dtype=torch.float16)
     monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", "npu")
     out = rope_paged_attention(b.query, b.kv_cache, b.meta, b.rope, b.scale)
     torch.testing.assert_close(out, run(b))
 
 
 def test_rejects_shapes_outside_documented_limits(double):
-    b = random_batch(0, 16, 4, 2, head=40)
-    with pytest.raises(ValueError, match="multiple of 16"):
+    b = random_batch(0, 16, 4, 2, head=64)
+    with pytest.raises(ValueError, match="TND paged mode takes"):
         run(b)
 
 
 def test_without_torch_npu_raises_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # makes `import torch_npu` fail
-    b = random_batch(0, 16, 4, 2)
+    b = batch(0, 16, 4, 2)
     with pytest.raises(npu.NpuUnavailableError, match="torch_npu with the CANN toolkit"):
         npu.rope_paged_attention_npu(b.query, b.kv_cache, b.meta, b.rope, b.scale)
 
