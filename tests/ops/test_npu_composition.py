@@ -123,7 +123,8 @@ def test_runs_follow_visibility():
             for j in range(int(m.num_blocks[s]))
             for t in range(int(m.block_valid_start[s, j]), int(m.block_valid_end[s, j]))
         ]
-        visible += [sum(1 for k in idx if k <= int(q)) for q in m.query_indices[loc[s] : loc[s + 1]]]
+        rows = m.query_indices[loc[s] : loc[s + 1]].tolist()
+        visible += [sum(1 for k in idx if k <= q) for q in rows]
     (group,) = plan.groups
     starts = [0, *group.query_ends[:-1]]
     for start, end, kv in zip(starts, group.query_ends, group.kv_lens, strict=True):
