@@ -4,12 +4,16 @@ One contract (``metadata.PagedRopeMetadata``, cache ``[2, num_blocks, B, Hkv, D]
 implementations:
 
 * ``reference``: torch, any device; the CPU serving path.
-* ``triton``: ``cuda_fallback/`` kernels (CUDA; also runs under ``TRITON_INTERPRET=1`` and under
-  triton-ascend's interpreter, see the README).
-* ``npu``: torch_npu composition for Ascend, **untested on a 910B**.
+* ``triton``: ``cuda_fallback/rope_paged_attention.py`` (CUDA; also runs under
+  ``TRITON_INTERPRET=1``).
+* ``triton-ascend``: ``cuda_fallback/rope_paged_attention_ascend.py``, written for triton-ascend
+  (persistent grid, page-at-a-time tiles): the NPU default, **untested on a 910B** (checked under
+  triton-ascend's interpreter).
+* ``npu``: the torch_npu composition, the NPU fallback, **untested on a 910B** (checked against a
+  double of the documented ops).
 
 ``rope_paged_attention`` picks one from the device of the query and what is importable; the
-environment variable ``ASCEND_MEPIC_ATTN_IMPL=reference|triton|npu`` forces one.
+environment variable ``ASCEND_MEPIC_ATTN_IMPL=reference|triton|triton-ascend|npu`` forces one.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from ascend_mepic.ops.reference import rope_paged_attention_reference, write_kv
 from ascend_mepic.ops.rope import RopeSpec, UnsupportedRopeError, apply_rope
 
 IMPL_ENV = "ASCEND_MEPIC_ATTN_IMPL"
-IMPLS = ("reference", "triton", "npu")
+IMPLS = ("reference", "triton", "triton-ascend", "npu")
 
 AttentionFn = Callable[
     [torch.Tensor, torch.Tensor, PagedRopeMetadata, RopeSpec, float], torch.Tensor
@@ -36,6 +40,23 @@ def _triton() -> AttentionFn:
     from cuda_fallback.rope_paged_attention import rope_paged_attention_triton
 
     return rope_paged_attention_triton
+
+
+def _triton_ascend() -> AttentionFn:
+    from cuda_fallback.rope_paged_attention_ascend import rope_paged_attention_ascend
+
+    return rope_paged_attention_ascend
+
+
+def have_triton_ascend() -> bool:
+    """Whether the installed ``triton`` is Ascend's (triton-ascend replaces the package)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("triton-ascend")
+    except PackageNotFoundError:
+        return False
+    return importlib.util.find_spec("triton") is not None
 
 
 def _npu() -> AttentionFn:
@@ -52,7 +73,7 @@ def select_impl(device: torch.device) -> str:
             raise ValueError(f"{IMPL_ENV}={forced!r}; choose one of {IMPLS}")
         return forced
     if device.type == "npu":
-        return "npu"
+        return "triton-ascend" if have_triton_ascend() else "npu"
     if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "triton"
     return "reference"
@@ -63,6 +84,8 @@ def get_attention_fn(impl: str) -> AttentionFn:
         return rope_paged_attention_reference
     if impl == "triton":
         return _triton()
+    if impl == "triton-ascend":
+        return _triton_ascend()
     if impl == "npu":
         return _npu()
     raise ValueError(f"unknown attention implementation {impl!r}; choose one of {IMPLS}")
@@ -95,6 +118,7 @@ __all__ = [
     "apply_rope",
     "build_metadata",
     "get_attention_fn",
+    "have_triton_ascend",
     "rope_paged_attention",
     "select_impl",
     "write_kv",
