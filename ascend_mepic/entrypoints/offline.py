@@ -23,6 +23,7 @@ from ascend_mepic.core.segments import EXTRA_ARGS_KEY, Segment
 SCHEDULER_CLS = "ascend_mepic.core.scheduler.MepicScheduler"
 CPU_WORKER_CLS = "ascend_mepic.worker.cpu_worker.MepicCPUWorker"
 GPU_WORKER_CLS = "ascend_mepic.worker.gpu_worker.MepicGPUWorker"
+NPU_WORKER_CLS = "ascend_mepic.worker.npu_worker.MepicNPUWorker"
 
 
 __all__ = [
@@ -35,16 +36,19 @@ __all__ = [
 
 
 def worker_cls_for_platform() -> str:
-    """MEPIC's worker for the current vLLM platform (CPU tested; CUDA untested; no NPU worker)."""
+    """MEPIC's worker for the current vLLM platform (CPU tested; CUDA and Ascend untested on
+    hardware)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         return CPU_WORKER_CLS
     if current_platform.is_cuda():
         return GPU_WORKER_CLS
+    if current_platform.device_type == "npu":
+        return NPU_WORKER_CLS
     raise ValueError(
-        f"MEPIC has no worker for platform {current_platform.device_type!r} yet; on Ascend, "
-        "the NPU worker is not built yet (see README: hardware)"
+        f"MEPIC has no worker for platform {current_platform.device_type!r} (CPU, CUDA and "
+        "Ascend NPU through vllm-ascend are supported)"
     )
 
 

@@ -42,6 +42,9 @@ class MepicAttentionMetadata:
     num_actual_tokens: int
     paged: PagedRopeMetadata
     blend: blend.BlendStep | None = None  # CacheBlend's selection state for this step
+    # The step's KV slots, for backends that write K/V inside ``forward`` (vllm-ascend's runner
+    # never calls ``do_kv_cache_update``); None where vLLM hands them to ``do_kv_cache_update``.
+    slot_mapping: torch.Tensor | None = None
 
 
 def cache_view(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch.Tensor:
@@ -137,9 +140,19 @@ class MepicAttentionImpl(AttentionImpl):
             self._layer_index = blend.layer_index(layer.layer_name)
         return self._layer_index
 
+    def cache_view(self, kv_cache) -> torch.Tensor:
+        """The op's ``[2, num_blocks, B, Hkv, D]`` view of this platform's per-layer cache."""
+        return cache_view(kv_cache, self.num_kv_heads, self.head_size)
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, view: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Write un-rotated K/V rows ``[n, Hkv, D]`` at flat slots of the op's view."""
+        write_kv(key, value, view, slots)
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Store K and V un-rotated (vLLM calls this for every layer before its attention)."""
-        view = cache_view(kv_cache, self.num_kv_heads, self.head_size)
+        view = self.cache_view(kv_cache)
         metadata = get_forward_context().attn_metadata
         state = metadata[layer.layer_name].blend if isinstance(metadata, dict) else None
         if state is not None:  # CacheBlend: select at the check layer, subset after it
@@ -151,7 +164,7 @@ class MepicAttentionImpl(AttentionImpl):
             elif state.active(index):
                 slot_mapping = state.slot_mapping
         n = slot_mapping.shape[0]
-        write_kv(
+        self.write_kv(
             key[:n].view(n, self.num_kv_heads, self.head_size),
             value[:n].view(n, self.num_kv_heads, self.head_size),
             view,
@@ -179,7 +192,7 @@ class MepicAttentionImpl(AttentionImpl):
         if state is not None and state.active(self._layer(layer)):
             n, paged = len(state.keep), state.metadata
         q = query[:n].view(n, self.num_heads, self.head_size)
-        view = cache_view(kv_cache, self.num_kv_heads, self.head_size)
+        view = self.cache_view(kv_cache)
         out = rope_paged_attention(q, view, paged, self.rope(), self.scale)
         output[:n] = out.reshape(output[:n].shape)
         return output

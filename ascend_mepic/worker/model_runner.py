@@ -64,6 +64,12 @@ class MepicRunnerMixin:
                 raise ValueError(f"policy {policy.name!r} needs enforce_eager=True")
             self.mepic_blend_layer = policy.check_layer
 
+    def mepic_kv_buffers(self) -> list[torch.Tensor]:
+        """Per-layer KV buffers, block-major (``[num_blocks, ...]``, each block's K then V), as
+        ``tier.transfer`` reads them. vLLM's CPU and GPU runners allocate exactly that; the NPU
+        runner overrides this to view vllm-ascend's per-layer (K, V) pairs."""
+        return self.kv_caches
+
     def _update_states(self, scheduler_output):
         """Take this step's plan: token maps of new sequences, then host and tier loads."""
         for req_id in scheduler_output.finished_req_ids:
@@ -105,11 +111,12 @@ class MepicRunnerMixin:
         """Copy relocated chunks' canonical tokens (sources stay untouched until the step ran,
         so the copies may run in any order)."""
         bs = self.mepic_block_size
+        caches = self.mepic_kv_buffers()
         for move in moves:
             kv = kv_transfer.save_tokens(
-                self.kv_caches, move.src_block_ids, move.src_offset, move.num_tokens, bs
+                caches, move.src_block_ids, move.src_offset, move.num_tokens, bs
             )
-            kv_transfer.load_tokens(self.kv_caches, kv, move.dst_block_ids, move.dst_offset, bs)
+            kv_transfer.load_tokens(caches, kv, move.dst_block_ids, move.dst_offset, bs)
 
     def _load_from_tier(self, tier_loads: tuple[TierLoad, ...]) -> None:
         """Fill chunks' canonical blocks from the tier and report each verified outcome."""
@@ -118,7 +125,7 @@ class MepicRunnerMixin:
         for load in tier_loads:
             result = self._tier.load(
                 load.chunk_id,
-                self.kv_caches,
+                self.mepic_kv_buffers(),
                 list(load.block_ids),
                 load.num_tokens,
                 load.offset,
@@ -140,7 +147,7 @@ class MepicRunnerMixin:
             if stored is None:
                 raise RuntimeError(f"chunk {chunk_id[:12]} is not in the host store")
             kv_transfer.load_stored_tokens(
-                self.kv_caches,
+                self.mepic_kv_buffers(),
                 stored.kv,
                 stored.num_tokens,
                 [(x.offset, x.num_tokens, x.block_id, x.slot) for x in group],
@@ -153,7 +160,7 @@ class MepicRunnerMixin:
         if self._store is None:
             raise StepPlanError("the step plan has host-store saves but this worker has no store")
         for save in saves:
-            kv = kv_transfer.save_blocks(self.kv_caches, list(save.block_ids))
+            kv = kv_transfer.save_blocks(self.mepic_kv_buffers(), list(save.block_ids))
             scores = None
             if save.with_scores:
                 scores = kv_transfer.lowfreq_scores(
@@ -186,9 +193,10 @@ class MepicRunnerMixin:
     def _offload_to_tier(self, puts: tuple[ChunkSave, ...]) -> None:
         """Write-through: this step's compiled chunks go to the tier right after the forward."""
         assert self._tier is not None
+        caches = self.mepic_kv_buffers()
         for put in puts:
             kv = kv_transfer.save_tokens(
-                self.kv_caches, put.block_ids, put.offset, put.num_tokens, self.mepic_block_size
+                caches, put.block_ids, put.offset, put.num_tokens, self.mepic_block_size
             )
             self._tier.put(put.chunk_id, kv, put.num_tokens)
         self._tier.publish()

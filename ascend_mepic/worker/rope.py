@@ -76,16 +76,23 @@ def _rejecting_class(base: type) -> type:
     return type(f"Rejected{base.__name__}", (base,), {"__init__": __init__})
 
 
-def install_nope_rope() -> None:
-    """Register the no-op rotary classes with vLLM (idempotent, per process)."""
+def install_nope_rope(replace_registered: bool = False) -> None:
+    """Register the no-op rotary classes with vLLM (idempotent, per process).
+
+    ``replace_registered``: a platform plugin (vllm-ascend) already registered its own rotary
+    classes under these names; replace them (``vllm_integration.ascend.override_oot_op``).
+    """
     global _installed
     if _installed:
         return
+    register = lambda cls, name: CustomOp.register_oot(cls, name=name)  # noqa: E731
+    if replace_registered:
+        from ascend_mepic.vllm_integration.ascend import override_oot_op as register
     module = importlib.import_module(_ROTARY_MODULE)
     for name in SUPPORTED_ROTARY_CLASSES:
-        CustomOp.register_oot(_nope_class(getattr(module, name)), name=name)
+        register(_nope_class(getattr(module, name)), name)
     for name in REJECTED_ROTARY_CLASSES:
         base = getattr(module, name, None)
         if base is not None:
-            CustomOp.register_oot(_rejecting_class(base), name=name)
+            register(_rejecting_class(base), name)
     _installed = True

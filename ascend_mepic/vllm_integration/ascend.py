@@ -1,0 +1,139 @@
+"""The vllm-ascend 0.30.0rc2 internals MEPIC's NPU worker touches, each with why (vLLM 0.30.0).
+
+UNTESTED ON HARDWARE: checked on x86 with vllm-ascend's real Python classes and a torch_npu double
+(``make test-ascend``), never on an Ascend NPU.
+
+Three things vLLM's documented hooks do not reach on vllm-ascend:
+
+* **Attention backend.** ``NPUPlatform.get_attn_backend_cls`` returns hard-coded class paths and
+  never reads ``selected_backend`` or vLLM's backend registry, so ``register_backend`` (the CPU
+  and CUDA route) has no effect. ``use_attention_backend`` wraps that classmethod, in the worker
+  process, so the standard (non-MLA, non-sparse) choice becomes MEPIC's subclass of
+  ``AscendAttentionBackend``; every other choice is refused (MEPIC does not support it).
+* **Rotary ops.** ``NPUWorker.__init__`` registers Ascend's rotary classes with
+  ``CustomOp.register_oot``, which refuses a second registration of a name; ``override_oot_op``
+  replaces the registry entry instead, for the names vllm-ascend took.
+* **KV cache layout.** vllm-ascend hands each layer a ``(K, V)`` pair of strided views over one
+  block-major buffer (each block: K then V), not one tensor; ``kv_pair_view`` and
+  ``block_major_buffer`` view that buffer the way MEPIC's ops and tier code read it, and refuse
+  any other layout (vllm-ascend's contiguous-PA layout keeps all K before all V).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+# vllm-ascend 0.30.0rc2's path for the standard attention backend (``NPUPlatform``'s backend map).
+ASCEND_STANDARD_BACKEND = "vllm_ascend.attention.attention_v1.AscendAttentionBackend"
+MEPIC_NPU_BACKEND = "ascend_mepic.worker.npu_attention.MepicAscendAttentionBackend"
+
+
+class UnsupportedAscendLayout(RuntimeError):
+    """vllm-ascend allocated a KV layout MEPIC cannot address."""
+
+
+def use_attention_backend(backend_path: str = MEPIC_NPU_BACKEND) -> None:
+    """Make ``NPUPlatform`` select ``backend_path`` where it would select its standard backend.
+
+    Why: see the module docstring. Call in the worker process before the model runner is built
+    (it selects the backend in its constructor); clears vLLM's selector cache. Idempotent.
+    """
+    from vllm.v1.attention import selector
+    from vllm_ascend.platform import NPUPlatform
+
+    current = NPUPlatform.get_attn_backend_cls
+    if getattr(current, "mepic_backend", None) == backend_path:
+        return
+    original = getattr(current, "mepic_original", current)
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        path = original(selected_backend, attn_selector_config, num_heads)
+        if path != ASCEND_STANDARD_BACKEND:
+            raise ValueError(
+                f"MEPIC supports vllm-ascend's standard attention only; this model selects {path} "
+                "(MLA, sparse, compressed and FA3 attention are not supported)"
+            )
+        return backend_path
+
+    get_attn_backend_cls.mepic_backend = backend_path  # type: ignore[attr-defined]
+    get_attn_backend_cls.mepic_original = original  # type: ignore[attr-defined]
+    NPUPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)  # type: ignore[method-assign]
+    selector._cached_get_attn_backend.cache_clear()
+
+
+def override_oot_op(name: str, op_cls: type) -> None:
+    """Register ``op_cls`` as vLLM's out-of-tree op ``name``, replacing vllm-ascend's entry.
+
+    Why: ``CustomOp.register_oot`` asserts the name is new, and ``NPUWorker.__init__`` already
+    registered Ascend's rotary classes under vLLM's names.
+    """
+    from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+
+    if name in op_registry_oot:
+        op_cls.name = name
+        op_registry_oot[name] = op_cls
+    else:
+        CustomOp.register_oot(op_cls, name=name)
+
+
+def kv_pair_view(kv_cache: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    """The ops' ``[2, num_blocks, B, Hkv, D]`` view of one layer's vllm-ascend ``(K, V)`` pair.
+
+    Why: vllm-ascend 0.30.0rc2 (``NPUModelRunner._reshape_kv_cache_tensors``, strided layout)
+    allocates one buffer per layer and hands out ``(kv[0], kv[1])`` views with block stride
+    ``2 * B * Hkv * D`` and V one block-half after K. A 5-D tensor is taken as already viewed.
+    """
+    if isinstance(kv_cache, torch.Tensor):
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+            raise UnsupportedAscendLayout(f"expected [2, nb, B, H, D], got {tuple(kv_cache.shape)}")
+        return kv_cache
+    k, v = kv_cache
+    if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype:
+        raise UnsupportedAscendLayout(
+            f"expected K and V [num_blocks, B, Hkv, D] alike, got {tuple(k.shape)} {k.dtype} "
+            f"and {tuple(v.shape)} {v.dtype}"
+        )
+    nb, bs, h, d = k.shape
+    half = bs * h * d
+    strides = (2 * half, h * d, d, 1)
+    adjacent = (
+        k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+        and v.storage_offset() == k.storage_offset() + half
+    )
+    if k.stride() != strides or v.stride() != strides or not adjacent:
+        raise UnsupportedAscendLayout(
+            "MEPIC needs vllm-ascend's strided KV layout (each block's K then V in one buffer); "
+            f"got K strides {k.stride()}, V strides {v.stride()}, V offset "
+            f"{v.storage_offset() - k.storage_offset()} elements after K (expected {half}). "
+            "Contiguous-PA, sparse, DCP and xlite layouts are not supported."
+        )
+    return torch.as_strided(k, (2, nb, bs, h, d), (half, 2 * half, h * d, d, 1), k.storage_offset())
+
+
+def block_major_buffer(kv_cache: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    """The same memory as a contiguous ``[num_blocks, 2, B, Hkv, D]`` tensor (``tier.transfer``)."""
+    return kv_pair_view(kv_cache).transpose(0, 1)
+
+
+def paired_caches(view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous ``[2 * nb - 1, B, Hkv, D]`` K and V caches over a block-major ``view``.
+
+    ``npu_scatter_pa_kv_cache`` documents contiguous caches; vllm-ascend's K and V views are
+    strided. Seen as ``2 * nb`` half-blocks, K of block ``b`` is half-block ``2b`` and V is
+    ``2b + 1``: the K cache starts at the buffer, the V cache one half-block later, and both take
+    the slot ``2 * b * B + t`` (``paired_slots``).
+    """
+    _, nb, bs, h, d = view.shape
+    half = bs * h * d
+    base = view[0]
+    shape, strides = (2 * nb - 1, bs, h, d), (half, h * d, d, 1)
+    k = torch.as_strided(base, shape, strides, base.storage_offset())
+    v = torch.as_strided(base, shape, strides, base.storage_offset() + half)
+    return k, v
+
+
+def paired_slots(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat slots of block ``b``, slot ``t`` in ``paired_caches``: ``2 * b * B + t``."""
+    return slot_mapping + (slot_mapping // block_size) * block_size

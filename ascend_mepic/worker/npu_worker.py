@@ -1,0 +1,75 @@
+"""MepicNPUWorker (``--worker-cls`` on Ascend): vllm-ascend's NPU worker, MEPIC's computation path.
+
+UNTESTED ON HARDWARE: never run on an Ascend 910B. On x86 (``make test-ascend``) the classes are
+built from vllm-ascend 0.30.0rc2's real ``NPUWorker`` / ``NPUModelRunner`` with torch_npu stubbed
+as vllm-ascend's own unit tests stub it, and the runner's MEPIC logic (placement, KV views) and the
+backend's forward run on CPU tensors; device initialisation, the engine and the kernels on the
+NPU never ran.
+
+What it changes, after ``NPUWorker.__init__`` (which registers Ascend's custom ops):
+
+* the model's rotary classes become MEPIC's no-op (NoPE) classes, replacing vllm-ascend's
+  registrations (``vllm_integration.ascend.override_oot_op``);
+* ``NPUPlatform`` selects ``MepicAscendAttentionBackend`` where it would select its standard
+  backend (``vllm_integration.ascend.use_attention_backend``);
+* ``init_device`` builds ``MepicNPUModelRunner`` (vllm-ascend's runner with MEPIC's placement
+  mixed in) instead of ``NPUModelRunner``, as vllm-ascend's own ``XliteWorker`` swaps its runner.
+
+Eager mode only: MEPIC's per-step tables are built on the host and not wired into ACL graph
+capture, so the worker refuses to start without ``enforce_eager``.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.worker.workspace import init_workspace_manager
+from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
+from vllm_ascend.worker.worker import NPUWorker
+
+from ascend_mepic.core.models import check_model_supported
+from ascend_mepic.vllm_integration.ascend import block_major_buffer, use_attention_backend
+from ascend_mepic.vllm_integration.version import check_vllm_version
+from ascend_mepic.worker.model_runner import MepicRunnerMixin
+from ascend_mepic.worker.rope import install_nope_rope
+
+
+class MepicNPUModelRunner(MepicRunnerMixin, NPUModelRunner):
+    """vllm-ascend's V1 runner placing MEPIC requests' tokens (``MepicRunnerMixin``)."""
+
+    def __init__(self, vllm_config, device) -> None:
+        super().__init__(vllm_config, device)
+        self._init_mepic(vllm_config)
+        self._kv_buffers: list[torch.Tensor] | None = None
+
+    def mepic_kv_buffers(self) -> list[torch.Tensor]:
+        """vllm-ascend's per-layer ``(K, V)`` views as block-major ``[nb, 2, B, Hkv, D]``."""
+        if self._kv_buffers is None or len(self._kv_buffers) != len(self.kv_caches):
+            self._kv_buffers = [block_major_buffer(kv) for kv in self.kv_caches]
+        return self._kv_buffers
+
+
+def check_eager(vllm_config) -> None:
+    if not vllm_config.model_config.enforce_eager:
+        raise ValueError(
+            "MEPIC on Ascend runs in eager mode only (its per-step attention tables are not "
+            "captured into ACL graphs yet): pass --enforce-eager (LLM(enforce_eager=True))"
+        )
+
+
+class MepicNPUWorker(NPUWorker):
+    def __init__(self, *args, **kwargs) -> None:
+        check_vllm_version()
+        super().__init__(*args, **kwargs)
+        check_model_supported(self.vllm_config.model_config)
+        check_eager(self.vllm_config)
+        install_nope_rope(replace_registered=True)
+        use_attention_backend()
+
+    def init_device(self) -> None:
+        if self.use_v2_model_runner:
+            raise ValueError(
+                "MEPIC supports vllm-ascend's V1 model runner only; unset VLLM_USE_V2_MODEL_RUNNER"
+            )
+        self.device = self._init_device()
+        init_workspace_manager(self.device, 1)
+        self.model_runner = MepicNPUModelRunner(self.vllm_config, self.device)
