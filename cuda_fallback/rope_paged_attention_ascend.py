@@ -311,7 +311,8 @@ def _decode_kernel(
     IS_NEOX: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """Persistent: work item = (sequence, KV head, split); rows = the GROUP heads of its query."""
+    """Persistent: work item = (sequence, KV head, split); rows = the GROUP heads of its query
+    (padded to ``GROUP_P`` >= 16 rows for ``tl.dot``)."""
     g = tl.arange(0, GROUP_P)
     d = tl.arange(0, D_P)
     num_work = num_seqs * NUM_KV_HEADS * NUM_SPLITS
@@ -540,6 +541,8 @@ def rope_paged_attention_ascend(
         block_q = max(1, 32 // group_p)
     if block_q & (block_q - 1):
         raise ValueError(f"block_q {block_q} must be a power of two")
+    # tl.dot takes >= 16 rows (triton-ascend checks it even under its interpreter).
+    block_q = max(block_q, 16 // group_p)
     cores = cores or num_cores(device)
     cos_sin = rope.cos_sin_cache.to(device).contiguous()
     tables, (num_tiles, tile_seq, tile_row) = _step_tensors(meta, device, block_q)
@@ -591,7 +594,7 @@ def rope_paged_attention_ascend(
         work = meta.num_seqs * hkv * splits
         _decode_kernel[(min(cores, work),)](
             query, out, part, lse, k, v, cos_sin, meta.num_seqs, *metas, *strides, qk_scale,
-            NUM_SPLITS=splits, **common,
+            NUM_SPLITS=splits, **{**common, "GROUP_P": _pow2_at_least(group, 16)},
         )  # fmt: skip
         if splits > 1:
             _combine_kernel[(min(cores * 2, t * hq),)](

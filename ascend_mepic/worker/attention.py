@@ -152,13 +152,27 @@ class MepicAttentionImpl(AttentionImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Store K and V un-rotated (vLLM calls this for every layer before its attention)."""
-        view = self.cache_view(kv_cache)
         metadata = get_forward_context().attn_metadata
-        state = metadata[layer.layer_name].blend if isinstance(metadata, dict) else None
+        step = metadata[layer.layer_name] if isinstance(metadata, dict) else None
+        self.store_kv(layer, key, value, kv_cache, slot_mapping, step)
+
+    def store_kv(
+        self,
+        layer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache,
+        slot_mapping: torch.Tensor,
+        step: MepicAttentionMetadata | None,
+    ) -> None:
+        """Write the step's K/V rows un-rotated; CacheBlend's selection happens here, before
+        the check layer's fresh K overwrites the cached K it is compared with."""
+        view = self.cache_view(kv_cache)
+        state = step.blend if step is not None else None
         if state is not None:  # CacheBlend: select at the check layer, subset after it
             index = self._layer(layer)
             if index == state.check_layer:
-                meta = metadata[layer.layer_name].paged
+                meta = step.paged
                 k = key[: state.num_rows].view(state.num_rows, self.num_kv_heads, self.head_size)
                 blend.select(state, k, view, slot_mapping, meta)
             elif state.active(index):

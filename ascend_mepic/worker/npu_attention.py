@@ -12,8 +12,8 @@ calls ``do_kv_cache_update``, so ``forward`` writes K/V first). The impl and bui
 * the per-layer cache is vllm-ascend's ``(K, V)`` pair of strided views, viewed as the ops'
   ``[2, num_blocks, B, Hkv, D]`` (``vllm_integration.ascend.kv_pair_view``);
 * K/V are written with ``torch_npu.npu_scatter_pa_kv_cache`` (``cache_mode="Norm"``) into the
-  contiguous half-block caches over the same buffer (``paired_caches``), slots remapped once per
-  step by the builder; float32 caches (which the op does not take) are written by indexing;
+  contiguous half-block caches over the same buffer (``paired_caches``, slots remapped by one
+  elementwise op); float32 caches (which the op does not take) are written by indexing;
 * attention dispatches to the triton-ascend kernel, or the torch_npu composition without
   triton-ascend (``ascend_mepic.ops.select_impl``).
 """
@@ -38,7 +38,8 @@ SCATTER_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class MepicNPUAttentionMetadataBuilder(MepicAttentionMetadataBuilder):
-    """MEPIC's metadata plus the step's KV slots (in ``paired_caches`` numbering)."""
+    """MEPIC's metadata plus the step's KV slots: vllm-ascend's runner never calls
+    ``do_kv_cache_update``, so ``forward`` writes K/V from these."""
 
     def build(
         self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False
@@ -84,7 +85,7 @@ class MepicNPUAttentionImpl(MepicAttentionImpl):
             return output.fill_(0)
         if attn_metadata.slot_mapping is None:
             raise RuntimeError("MEPIC's NPU attention needs the step's slot mapping")
-        self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
+        self.store_kv(layer, key, value, kv_cache, attn_metadata.slot_mapping, attn_metadata)
         return super().forward(
             layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
             output_block_scale,
