@@ -55,9 +55,12 @@ def worker_cls_for_platform() -> str:
 def mepic_llm_kwargs(**options: Any) -> dict[str, Any]:
     """``LLM(...)`` / engine arguments that turn MEPIC on (options go to ``{"mepic": ...}``)."""
     policy = str(options.get("policy", "mepic"))
+    worker_cls = worker_cls_for_platform()
+    eager = {"enforce_eager": True} if worker_cls == NPU_WORKER_CLS else {}
     return {
+        **eager,
         "scheduler_cls": SCHEDULER_CLS,
-        "worker_cls": worker_cls_for_platform(),
+        "worker_cls": worker_cls,
         "additional_config": {"mepic": dict(options)},
         "enable_prefix_caching": policy != "full",
     }

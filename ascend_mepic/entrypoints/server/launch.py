@@ -13,7 +13,12 @@ from collections.abc import MutableMapping, Sequence
 from importlib.metadata import distributions, entry_points
 
 from ascend_mepic.config import MepicConfig
-from ascend_mepic.entrypoints.offline import CPU_WORKER_CLS, SCHEDULER_CLS, worker_cls_for_platform
+from ascend_mepic.entrypoints.offline import (
+    CPU_WORKER_CLS,
+    NPU_WORKER_CLS,
+    SCHEDULER_CLS,
+    worker_cls_for_platform,
+)
 from ascend_mepic.entrypoints.server.plugin import (
     ENDPOINT_ENTRY_POINT,
     ENDPOINT_PLUGINS_GROUP,
@@ -70,6 +75,9 @@ def apply_mepic_defaults(args: Namespace, is_cpu: bool) -> str | None:
     args.enable_prefix_caching = True
     if is_cpu and args.block_size is None:
         args.block_size = CPU_BLOCK_SIZE
+    if args.worker_cls == NPU_WORKER_CLS and not args.enforce_eager:
+        logger.info("MEPIC on Ascend runs in eager mode: setting --enforce-eager")
+        args.enforce_eager = True
     additional = args.additional_config or {}
     if isinstance(additional, str):
         additional = json.loads(additional)

@@ -1,0 +1,325 @@
+"""MEPIC's NPU worker, runner and attention backend on vllm-ascend 0.30.0rc2's real classes.
+
+Runs in ``.venv-ascend`` (``make test-ascend``): torch_npu is the documented-semantics double
+(``tests/ops/npu_double.py``, through ``conftest.py``) and ``triton`` is triton-ascend, run by its
+interpreter (``TRITON_INTERPRET=1``). The backend's forward runs on CPU tensors laid out as
+vllm-ascend lays out its KV cache, through both NPU attention implementations, against the torch
+reference and the dense oracle. Nothing here ran on an NPU.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ascend_mepic.core.segments import Segment, build_packed_layout
+from ascend_mepic.ops import SequenceSpec, build_metadata, npu, rope_paged_attention, write_kv
+from ascend_mepic.ops.reference import rope_paged_attention_reference
+from ascend_mepic.ops.rope import RopeSpec, default_cos_sin_cache
+from ascend_mepic.vllm_integration import ascend as va
+from tests.ops.oracle import _table, dense_oracle, random_batch
+
+BS = 128  # vllm-ascend's only kernel block size
+FP32 = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def ascend_kv_pair(num_blocks: int, kv_heads: int, head: int, dtype: torch.dtype):
+    """One layer's KV as vllm-ascend 0.30.0rc2 allocates it for a non-PA backend
+    (``NPUModelRunner._reshape_kv_cache_tensors``, strided layout): one zeroed int8 buffer of
+    ``num_blocks`` pages, viewed through the backend's ``get_kv_cache_shape`` with K and V of a
+    block adjacent, handed out as the pair ``(kv[0], kv[1])``."""
+    from ascend_mepic.worker.npu_attention import MepicAscendAttentionBackend
+
+    shape = MepicAscendAttentionBackend.get_kv_cache_shape(num_blocks, BS, kv_heads, head)
+    page_bytes = 2 * BS * kv_heads * head * torch.finfo(dtype).bits // 8
+    raw = torch.zeros(num_blocks * page_bytes, dtype=torch.int8).view(dtype)
+    hid = BS * kv_heads * head
+    dense = torch.empty(shape).stride()
+    kv = torch.as_strided(raw, shape, (hid, 2 * hid, *dense[2:]))
+    return kv[0], kv[1]
+
+
+# ------------------------------------------------------------------------------------------
+# The classes the Ascend path subclasses.
+
+
+def test_mepic_classes_subclass_vllm_ascends():
+    from vllm_ascend.attention.attention_v1 import AscendAttentionBackend
+    from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
+    from vllm_ascend.worker.worker import NPUWorker
+
+    from ascend_mepic.worker.model_runner import MepicRunnerMixin
+    from ascend_mepic.worker.npu_attention import MepicAscendAttentionBackend
+    from ascend_mepic.worker.npu_worker import MepicNPUModelRunner, MepicNPUWorker
+
+    assert issubclass(MepicNPUWorker, NPUWorker)
+    assert issubclass(MepicNPUModelRunner, NPUModelRunner)
+    assert issubclass(MepicNPUModelRunner, MepicRunnerMixin)
+    assert issubclass(MepicAscendAttentionBackend, AscendAttentionBackend)
+    # What vllm-ascend derives from its backend stays as it is.
+    assert MepicAscendAttentionBackend.get_supported_kernel_block_sizes() == [128]
+    assert MepicAscendAttentionBackend.get_kv_cache_shape(
+        9, BS, 2, 64
+    ) == AscendAttentionBackend.get_kv_cache_shape(9, BS, 2, 64) == (2, 9, BS, 2, 64)
+    assert MepicAscendAttentionBackend.forward_includes_kv_cache_update
+    assert MepicAscendAttentionBackend.get_name() == "CUSTOM"
+
+
+def test_worker_class_for_this_platform_is_the_npu_worker():
+    from ascend_mepic.entrypoints.offline import NPU_WORKER_CLS, worker_cls_for_platform
+
+    assert worker_cls_for_platform() == NPU_WORKER_CLS
+    module, _, name = NPU_WORKER_CLS.rpartition(".")
+    assert getattr(__import__(module, fromlist=[name]), name).__name__ == "MepicNPUWorker"
+
+
+def test_mepic_entry_points_pick_the_npu_worker_in_eager_mode():
+    from argparse import Namespace
+
+    from ascend_mepic.entrypoints.offline import NPU_WORKER_CLS, mepic_llm_kwargs
+    from ascend_mepic.entrypoints.server.launch import apply_mepic_defaults
+
+    kwargs = mepic_llm_kwargs(policy="mepic")
+    assert kwargs["worker_cls"] == NPU_WORKER_CLS and kwargs["enforce_eager"]
+    args = Namespace(
+        scheduler_cls=None, worker_cls="auto", enable_prefix_caching=None, block_size=None,
+        additional_config={"mepic": {"stats_file": "/tmp/unused.json"}}, enforce_eager=False,
+    )  # fmt: skip
+    assert apply_mepic_defaults(args, is_cpu=False) is None
+    assert args.worker_cls == NPU_WORKER_CLS and args.enforce_eager
+    assert args.block_size is None  # vllm-ascend picks 128
+
+
+def test_the_npu_default_is_the_triton_ascend_kernel(monkeypatch):
+    from ascend_mepic.ops import have_triton_ascend, select_impl
+
+    monkeypatch.delenv("ASCEND_MEPIC_ATTN_IMPL", raising=False)
+    assert have_triton_ascend()
+    assert select_impl(torch.device("npu", 0)) == "triton-ascend"
+    monkeypatch.setattr("ascend_mepic.ops.have_triton_ascend", lambda: False)
+    assert select_impl(torch.device("npu", 0)) == "npu"
+
+
+def test_platform_selects_mepic_backend_once_installed(monkeypatch, vllm_config):
+    from vllm.platforms import current_platform
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+    from vllm_ascend.platform import NPUPlatform
+
+    monkeypatch.setattr(NPUPlatform, "get_attn_backend_cls", NPUPlatform.get_attn_backend_cls)
+    config = AttentionSelectorConfig(
+        head_size=128, dtype=torch.bfloat16, kv_cache_dtype=None, block_size=128
+    )
+    va.use_attention_backend()
+    va.use_attention_backend()  # idempotent
+    try:
+        assert current_platform.get_attn_backend_cls(None, config) == va.MEPIC_NPU_BACKEND
+        with pytest.raises(ValueError, match="standard attention only"):
+            current_platform.get_attn_backend_cls(None, config._replace(use_mla=True))
+    finally:
+        selector._cached_get_attn_backend.cache_clear()
+
+
+def test_nope_rope_replaces_vllm_ascends_rotary_ops(monkeypatch, vllm_config):
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm_ascend.utils import register_ascend_customop
+
+    from ascend_mepic.worker import rope
+
+    monkeypatch.setattr("vllm.model_executor.custom_op.op_registry_oot", dict(op_registry_oot))
+    registry = dict(op_registry_oot)
+    monkeypatch.setattr(rope, "_installed", False)
+    with monkeypatch.context() as m:
+        m.setattr("vllm.model_executor.custom_op.op_registry_oot", registry)
+        register_ascend_customop(vllm_config)  # what NPUWorker.__init__ does first
+        assert registry["RotaryEmbedding"].__name__ == "AscendRotaryEmbedding"
+        with pytest.raises(AssertionError, match="Duplicate"):
+            rope.install_nope_rope()  # vLLM's documented hook refuses the taken names
+        rope.install_nope_rope(replace_registered=True)
+        assert registry["RotaryEmbedding"].__name__ == "NopeRotaryEmbedding"
+        assert registry["RotaryEmbedding"].mepic_base_name == "RotaryEmbedding"
+        assert registry["MRotaryEmbedding"].__name__ == "RejectedMRotaryEmbedding"
+
+
+def test_eager_mode_is_required(vllm_config):
+    from ascend_mepic.worker.npu_worker import check_eager
+
+    with pytest.raises(ValueError, match="enforce-eager"):
+        check_eager(SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False)))
+    check_eager(SimpleNamespace(model_config=SimpleNamespace(enforce_eager=True)))
+
+
+# ------------------------------------------------------------------------------------------
+# vllm-ascend's KV layout.
+
+
+def test_kv_views_address_vllm_ascends_buffer():
+    k, v = ascend_kv_pair(5, 2, 64, torch.bfloat16)
+    view = va.kv_pair_view((k, v))
+    assert view.shape == (2, 5, BS, 2, 64)
+    view[0, 3, 7, 1] = 1.0
+    view[1, 4, 0, 0] = 2.0
+    assert k[3, 7, 1].eq(1).all() and v[4, 0, 0].eq(2).all()
+    block_major = va.block_major_buffer((k, v))
+    assert block_major.is_contiguous() and block_major.shape == (5, 2, BS, 2, 64)
+    assert block_major[3, 0, 7, 1].eq(1).all() and block_major[4, 1, 0, 0].eq(2).all()
+
+
+def test_scatter_into_paired_caches_equals_indexed_write(npu_ops):
+    k, v = ascend_kv_pair(6, 2, 64, torch.bfloat16)
+    view = va.kv_pair_view((k, v))
+    want = view.clone()
+    slots = torch.tensor([0, 5, 130, 767, 300, 129])
+    key = torch.randn(6, 2, 64).bfloat16()
+    value = torch.randn(6, 2, 64).bfloat16()
+    write_kv(key, value, want, slots)
+    k_cache, v_cache = va.paired_caches(view)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    npu_ops.npu_scatter_pa_kv_cache(
+        key, value, k_cache, v_cache, va.paired_slots(slots, BS), cache_mode="Norm"
+    )
+    assert torch.equal(view, want)
+
+
+def test_other_layouts_are_refused():
+    k = torch.zeros(4, BS, 2, 64)
+    v = torch.zeros(4, BS, 2, 64)  # vllm-ascend's contiguous-PA layout: separate K and V
+    with pytest.raises(va.UnsupportedAscendLayout, match="strided KV layout"):
+        va.kv_pair_view((k, v))
+
+
+def test_runner_hands_block_major_buffers_to_the_tier_code():
+    from ascend_mepic.tier import transfer
+    from ascend_mepic.worker.npu_worker import MepicNPUModelRunner
+
+    runner = MepicNPUModelRunner.__new__(MepicNPUModelRunner)  # no device to build one on
+    runner._kv_buffers = None
+    runner.kv_caches = [ascend_kv_pair(4, 2, 64, torch.float32) for _ in range(3)]
+    buffers = runner.mepic_kv_buffers()
+    assert [b.shape for b in buffers] == [(4, 2, BS, 2, 64)] * 3
+    for k, v in runner.kv_caches:
+        k.normal_()
+        v.normal_()
+    saved = transfer.save_tokens(buffers, [1, 2], 100, 50, BS)
+    transfer.load_tokens(buffers, saved, [3, 0], 10, BS)
+    for k, v in runner.kv_caches:
+        src_k = torch.cat((k[1, 100:], k[2, :22]))
+        torch.testing.assert_close(k[3, 10:60], src_k)
+        torch.testing.assert_close(v[3, 10:60], torch.cat((v[1, 100:], v[2, :22])))
+
+
+# ------------------------------------------------------------------------------------------
+# The backend's forward on realistic MEPIC steps.
+
+
+def realistic_step(seed: int, hq: int, hkv: int, head: int, decode: bool):
+    """A step at block 128: request A (system prompt, two 200-token chunks recomputing their
+    first 16 tokens, a question) with the chunk cache already filled, a compile of a new chunk
+    as its own sequence, and a plain request; or, with ``decode``, one new token for each."""
+    rng = random.Random(seed)
+    req = [
+        Segment.prompt(range(1, 40)),
+        Segment.chunk(range(200)),
+        Segment.chunk(range(200)),
+        Segment.prompt(range(1, 30)),
+    ]
+    compile_ = [Segment.chunk(range(150)), Segment.prompt([1])]
+    plain = [Segment.prompt(range(1, 90))]
+    layouts = [
+        build_packed_layout(req, BS, [16, 16], [0, 72]),
+        build_packed_layout(compile_, BS, [0], [16]),
+        build_packed_layout(plain, BS, [], []),
+    ]
+    ids = list(range(1, sum(x.num_blocks for x in layouts) + 6))
+    num_blocks = len(ids) + 1
+    rng.shuffle(ids)
+    specs, fresh_slots = [], []
+    for layout in layouts:
+        table = _table(layout, ids)
+        positions = layout.slot_positions()
+        real = [i for i, p in enumerate(positions) if p >= 0]
+        private = {i for b, spec in enumerate(layout.blocks) if spec.private_block >= 0
+                   for i in range(b * BS + spec.valid_start, b * BS + spec.valid_end)}  # fmt: skip
+        if decode:
+            queries = [real[-1]]
+        elif layout is layouts[1]:
+            queries = real  # a compile computes every token of its chunk
+        else:
+            queries = [i for i in real if i in private]  # fresh tokens only
+        specs.append(
+            SequenceSpec(
+                block_ids=table,
+                block_first_pos=[b.first_position for b in layout.blocks],
+                block_valid_start=[b.valid_start for b in layout.blocks],
+                block_valid_end=[b.valid_end for b in layout.blocks],
+                query_indices=queries,
+                query_positions=[positions[i] for i in queries],
+            )
+        )
+        fresh_slots += [table[i // BS] * BS + i % BS for i in queries]
+    meta = build_metadata(specs, BS)
+    return meta, torch.tensor(fresh_slots), num_blocks
+
+
+@pytest.mark.parametrize("impl", ["triton-ascend", "npu"])
+@pytest.mark.parametrize("decode", [False, True])
+def test_backend_forward_on_vllm_ascend_cache_equals_reference(monkeypatch, npu_ops, impl, decode):
+    from ascend_mepic.worker.attention import MepicAttentionMetadata
+    from ascend_mepic.worker.npu_attention import MepicNPUAttentionImpl
+
+    hq, hkv, head, dtype = 8, 2, 128, torch.bfloat16
+    meta, slots, num_blocks = realistic_step(3, hq, hkv, head, decode)
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = ascend_kv_pair(num_blocks, hkv, head, dtype)
+    k_cache.copy_(torch.randn(k_cache.shape, generator=gen))  # the cached chunks' KV
+    v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
+    t = meta.num_queries
+    query = torch.randn(t, hq * head, generator=gen).to(dtype)
+    key = torch.randn(t, hkv * head, generator=gen).to(dtype)
+    value = torch.randn(t, hkv * head, generator=gen).to(dtype)
+    rope = RopeSpec.from_cache(default_cos_sin_cache(head, 4096, 10000.0), True)
+
+    want_cache = va.kv_pair_view((k_cache, v_cache)).clone()
+    write_kv(key.view(t, hkv, head), value.view(t, hkv, head), want_cache, slots)
+    q = query.view(t, hq, head)
+    want = rope_paged_attention_reference(q.float(), want_cache.float(), meta, rope, head**-0.5)
+    oracle = dense_oracle(q, want_cache, meta, 10000.0, True, head**-0.5)
+
+    impl_ = MepicNPUAttentionImpl(hq, head, head**-0.5, hkv, None, None, "auto")
+    impl_._rope = rope
+    layer = SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
+    output = torch.empty(t, hq * head, dtype=dtype)
+    monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", impl)
+    step = MepicAttentionMetadata(t, meta, slot_mapping=slots)
+    impl_.forward(layer, query, key, value, (k_cache, v_cache), step, output)
+
+    assert torch.equal(va.kv_pair_view((k_cache, v_cache)), want_cache)  # NoPE K/V written
+    out = output.view(t, hq, head).double()
+    torch.testing.assert_close(out, want.double(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out, oracle, atol=3e-2, rtol=3e-2)
+    calls = {name for name, _ in npu_ops.calls}
+    assert "npu_scatter_pa_kv_cache" in calls
+    assert ("npu_fused_infer_attention_score" in calls) == (impl == "npu")
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("decode", [False, True])
+def test_held_out_random_batches_on_vllm_ascend_cache(monkeypatch, npu_ops, seed, decode):
+    """Random padded/packed tables (GQA, both RoPE styles) viewed through vllm-ascend's layout,
+    through both NPU implementations, at fp32 (the double widened to take fp32)."""
+    b = random_batch(seed, BS, 8, 2, head=128, neox=seed % 2 == 0, decode=decode, max_segment=60)
+    k_cache, v_cache = ascend_kv_pair(b.kv_cache.shape[1], 2, 128, torch.float32)
+    view = va.kv_pair_view((k_cache, v_cache))
+    view.copy_(b.kv_cache)
+    want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, b.rope.is_neox_style, b.scale)
+    npu_ops.attention_dtypes = FP32
+    monkeypatch.setattr(npu, "FIA_DTYPES", FP32)
+    monkeypatch.setattr("tests.ops.npu_double.KV_CACHE_DTYPES", FP32)
+    for impl in ("triton-ascend", "npu"):
+        monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", impl)
+        out = rope_paged_attention(b.query, view, replace(b.meta, memo={}), b.rope, b.scale)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
