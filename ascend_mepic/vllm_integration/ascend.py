@@ -3,8 +3,15 @@
 UNTESTED ON HARDWARE: checked on x86 with vllm-ascend's real Python classes and a torch_npu double
 (``make test-ascend``), never on an Ascend NPU.
 
-Three things vLLM's documented hooks do not reach on vllm-ascend:
+Four things vLLM's documented hooks do not reach on vllm-ascend:
 
+* **Worker and scheduler choice.** ``vllm serve MODEL --additional-config '{"mepic": {}}'`` must
+  start MEPIC's worker and scheduler, but ``NPUPlatform.check_and_update_config`` replaces an
+  ``auto`` worker with its own and is the only code that sees the final config before the
+  workers start. ``select_mepic_from_config`` wraps it (installed by MEPIC's general plugin on the
+  NPU platform): with a ``mepic`` entry in ``additional_config``, an ``auto`` worker becomes
+  MEPIC's and an unset scheduler MEPIC's; a vllm-ascend scheduler chosen by its own options is
+  refused.
 * **Attention backend.** ``NPUPlatform.get_attn_backend_cls`` returns hard-coded class paths and
   never reads ``selected_backend`` or vLLM's backend registry, so ``register_backend`` (the CPU
   and CUDA route) has no effect. ``use_attention_backend`` wraps that classmethod, in the worker
@@ -61,6 +68,39 @@ def use_attention_backend(backend_path: str = MEPIC_NPU_BACKEND) -> None:
     get_attn_backend_cls.mepic_original = original  # type: ignore[attr-defined]
     NPUPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)  # type: ignore[method-assign]
     selector._cached_get_attn_backend.cache_clear()
+
+
+def select_mepic_from_config() -> None:
+    """Make ``NPUPlatform.check_and_update_config`` pick MEPIC's worker and scheduler for configs
+    that turn MEPIC on (``additional_config["mepic"]``). Why: see the module docstring."""
+    from vllm_ascend.platform import NPUPlatform
+
+    from ascend_mepic.entrypoints.offline import NPU_WORKER_CLS, SCHEDULER_CLS
+
+    current = NPUPlatform.check_and_update_config
+    if getattr(current, "mepic_wrapped", False):
+        return
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        mepic_on = "mepic" in (vllm_config.additional_config or {})
+        parallel = vllm_config.parallel_config
+        if mepic_on and parallel is not None and parallel.worker_cls == "auto":
+            parallel.worker_cls = NPU_WORKER_CLS  # vllm-ascend keeps a worker that is not auto
+        current(vllm_config)
+        if not mepic_on:
+            return
+        scheduler = vllm_config.scheduler_config
+        if scheduler.scheduler_cls is None:
+            scheduler.scheduler_cls = SCHEDULER_CLS
+        elif scheduler.scheduler_cls != SCHEDULER_CLS:
+            raise ValueError(
+                f"MEPIC needs its scheduler ({SCHEDULER_CLS}); the configuration selects "
+                f"{scheduler.scheduler_cls}: turn off the vllm-ascend scheduler option that chose "
+                "it, or set --scheduler-cls to a subclass of MepicScheduler"
+            )
+
+    check_and_update_config.mepic_wrapped = True  # type: ignore[attr-defined]
+    NPUPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
 
 
 def override_oot_op(name: str, op_cls: type) -> None:

@@ -94,6 +94,32 @@ def test_mepic_entry_points_pick_the_npu_worker_in_eager_mode():
     assert args.block_size is None  # vllm-ascend picks 128
 
 
+def test_vllm_serve_with_a_mepic_config_selects_mepic(monkeypatch, vllm_config):
+    """``vllm serve MODEL --additional-config '{"mepic": {}}'``: MEPIC's general plugin makes
+    the NPU platform's config step choose MEPIC's worker and scheduler; other configs keep
+    vllm-ascend's choices."""
+    from vllm_ascend.platform import NPUPlatform
+
+    from ascend_mepic import plugin
+    from ascend_mepic.entrypoints.offline import NPU_WORKER_CLS, SCHEDULER_CLS
+
+    monkeypatch.setattr(NPUPlatform, "check_and_update_config", NPUPlatform.check_and_update_config)
+    plugin.register()
+    plugin.register()  # every vLLM process runs it; wrapping stays single
+    vllm_config.parallel_config.worker_cls = "auto"
+    vllm_config.scheduler_config.scheduler_cls = None
+    NPUPlatform.check_and_update_config(vllm_config)
+    assert vllm_config.parallel_config.worker_cls != NPU_WORKER_CLS
+    vllm_config.additional_config = {"mepic": {}}
+    vllm_config.parallel_config.worker_cls = "auto"
+    NPUPlatform.check_and_update_config(vllm_config)
+    assert vllm_config.parallel_config.worker_cls == NPU_WORKER_CLS
+    assert vllm_config.scheduler_config.scheduler_cls == SCHEDULER_CLS
+    vllm_config.scheduler_config.scheduler_cls = "vllm_ascend.core.x.OtherScheduler"
+    with pytest.raises(ValueError, match="MEPIC needs its scheduler"):
+        NPUPlatform.check_and_update_config(vllm_config)
+
+
 def test_the_npu_default_is_the_triton_ascend_kernel(monkeypatch):
     from ascend_mepic.ops import have_triton_ascend, select_impl
 
