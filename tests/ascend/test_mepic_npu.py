@@ -27,20 +27,77 @@ BS = 128  # vllm-ascend's only kernel block size
 FP32 = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def ascend_kv_pair(num_blocks: int, kv_heads: int, head: int, dtype: torch.dtype):
-    """One layer's KV as vllm-ascend 0.30.0rc2 allocates it for a non-PA backend
-    (``NPUModelRunner._reshape_kv_cache_tensors``, strided layout): one zeroed int8 buffer of
-    ``num_blocks`` pages, viewed through the backend's ``get_kv_cache_shape`` with K and V of a
-    block adjacent, handed out as the pair ``(kv[0], kv[1])``."""
-    from ascend_mepic.worker.npu_attention import MepicAscendAttentionBackend
+@pytest.fixture
+def allocate_kv(monkeypatch, vllm_config):
+    """One layer's KV as vllm-ascend 0.30.0rc2 itself allocates it: real vLLM ``Attention`` layers
+    built on the NPU platform (which, with MEPIC's backend selection installed, get MEPIC's
+    backend and impl), then ``NPUModelRunner.initialize_kv_cache_tensors`` run on a
+    ``MepicNPUModelRunner`` with just the attributes that method reads (building a runner needs
+    a device). Returns ``make(num_blocks, kv_heads, head, dtype) -> (runner, layers)``."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+    from vllm.v1.worker.utils import AttentionGroup
+    from vllm_ascend.ascend_config import get_ascend_config
+    from vllm_ascend.platform import NPUPlatform
 
-    shape = MepicAscendAttentionBackend.get_kv_cache_shape(num_blocks, BS, kv_heads, head)
-    page_bytes = 2 * BS * kv_heads * head * torch.finfo(dtype).bits // 8
-    raw = torch.zeros(num_blocks * page_bytes, dtype=torch.int8).view(dtype)
-    hid = BS * kv_heads * head
-    dense = torch.empty(shape).stride()
-    kv = torch.as_strided(raw, shape, (hid, 2 * hid, *dense[2:]))
-    return kv[0], kv[1]
+    from ascend_mepic.worker.npu_worker import MepicNPUModelRunner
+
+    monkeypatch.setattr(NPUPlatform, "get_attn_backend_cls", NPUPlatform.get_attn_backend_cls)
+    va.use_attention_backend()
+    vllm_config.cache_config.block_size = BS
+
+    def make(num_blocks: int, kv_heads: int, head: int, dtype: torch.dtype, num_layers: int = 1):
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+        with set_current_vllm_config(vllm_config):
+            layers = [
+                Attention(4 * kv_heads, head, head**-0.5, num_kv_heads=kv_heads, prefix=name)
+                for name in names
+            ]
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=kv_heads, head_size=head, dtype=dtype)
+        size = num_blocks * spec.page_size_bytes
+        config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(size, [name], size, spec.page_size_bytes) for name in names
+            ],
+            kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+        )
+        runner = MepicNPUModelRunner.__new__(MepicNPUModelRunner)
+        runner.__dict__.update(
+            vllm_config=vllm_config,
+            compilation_config=vllm_config.compilation_config,
+            model_config=SimpleNamespace(hf_text_config=SimpleNamespace(model_type="llama")),
+            ascend_config=get_ascend_config(),
+            device=torch.device("cpu"),
+            kv_caches=[],
+            shared_kv_cache_layers={},
+            runner_only_attn_layers=set(),
+            dcp_size=1,
+            use_sparse=False,
+            use_compress=False,
+            sparse_kv_offload_enabled=False,
+            sparse_kv_offload_config=None,
+            use_hybrid_blocks=False,
+            tp_rank=0,
+            kv_cache_config=config,
+            attn_groups=[[AttentionGroup(layers[0].attn_backend, names, spec, 0)]],
+            _kv_buffers=None,
+        )
+        runner.initialize_kv_cache_tensors(config, [BS])
+        return runner, layers
+
+    return make
+
+
+def ascend_kv_pair(make, num_blocks: int, kv_heads: int, head: int, dtype: torch.dtype):
+    runner, _ = make(num_blocks, kv_heads, head, dtype)
+    return runner.kv_caches[0]
 
 
 # ------------------------------------------------------------------------------------------
@@ -62,9 +119,11 @@ def test_mepic_classes_subclass_vllm_ascends():
     assert issubclass(MepicAscendAttentionBackend, AscendAttentionBackend)
     # What vllm-ascend derives from its backend stays as it is.
     assert MepicAscendAttentionBackend.get_supported_kernel_block_sizes() == [128]
-    assert MepicAscendAttentionBackend.get_kv_cache_shape(
-        9, BS, 2, 64
-    ) == AscendAttentionBackend.get_kv_cache_shape(9, BS, 2, 64) == (2, 9, BS, 2, 64)
+    assert (
+        MepicAscendAttentionBackend.get_kv_cache_shape(9, BS, 2, 64)
+        == AscendAttentionBackend.get_kv_cache_shape(9, BS, 2, 64)
+        == (2, 9, BS, 2, 64)
+    )
     assert MepicAscendAttentionBackend.forward_includes_kv_cache_update
     assert MepicAscendAttentionBackend.get_name() == "CUSTOM"
 
@@ -183,8 +242,20 @@ def test_eager_mode_is_required(vllm_config):
 # vllm-ascend's KV layout.
 
 
-def test_kv_views_address_vllm_ascends_buffer():
-    k, v = ascend_kv_pair(5, 2, 64, torch.bfloat16)
+def test_vllm_ascend_allocates_mepic_layers_the_layout_mepic_views(allocate_kv):
+    """The KV vllm-ascend's own allocation gives MEPIC's attention layers: per layer a (K, V)
+    pair of [num_blocks, 128, Hkv, D] views over one block-major buffer (its strided layout),
+    bound to the layer; MEPIC's views address exactly that memory."""
+    from ascend_mepic.worker.npu_attention import MepicAscendAttentionBackend, MepicNPUAttentionImpl
+
+    runner, layers = allocate_kv(5, 2, 64, torch.bfloat16, num_layers=2)
+    assert all(type(layer.impl) is MepicNPUAttentionImpl for layer in layers)
+    assert all(layer.attn_backend is MepicAscendAttentionBackend for layer in layers)
+    assert len(runner.kv_caches) == 2
+    k, v = runner.kv_caches[0]
+    assert layers[0].kv_cache is runner.kv_caches[0] or layers[0].kv_cache[0] is runner.kv_caches[0]
+    assert k.shape == v.shape == (5, BS, 2, 64) and k.dtype == torch.bfloat16
+    assert tuple(MepicAscendAttentionBackend.get_kv_cache_shape(5, BS, 2, 64)) == (2, *k.shape)
     view = va.kv_pair_view((k, v))
     assert view.shape == (2, 5, BS, 2, 64)
     view[0, 3, 7, 1] = 1.0
@@ -195,8 +266,8 @@ def test_kv_views_address_vllm_ascends_buffer():
     assert block_major[3, 0, 7, 1].eq(1).all() and block_major[4, 1, 0, 0].eq(2).all()
 
 
-def test_scatter_into_paired_caches_equals_indexed_write(npu_ops):
-    k, v = ascend_kv_pair(6, 2, 64, torch.bfloat16)
+def test_scatter_into_paired_caches_equals_indexed_write(npu_ops, allocate_kv):
+    k, v = ascend_kv_pair(allocate_kv, 6, 2, 64, torch.bfloat16)
     view = va.kv_pair_view((k, v))
     want = view.clone()
     slots = torch.tensor([0, 5, 130, 767, 300, 129])
@@ -218,13 +289,10 @@ def test_other_layouts_are_refused():
         va.kv_pair_view((k, v))
 
 
-def test_runner_hands_block_major_buffers_to_the_tier_code():
+def test_runner_hands_block_major_buffers_to_the_tier_code(allocate_kv):
     from ascend_mepic.tier import transfer
-    from ascend_mepic.worker.npu_worker import MepicNPUModelRunner
 
-    runner = MepicNPUModelRunner.__new__(MepicNPUModelRunner)  # no device to build one on
-    runner._kv_buffers = None
-    runner.kv_caches = [ascend_kv_pair(4, 2, 64, torch.float32) for _ in range(3)]
+    runner, _ = allocate_kv(4, 2, 64, torch.float32, num_layers=3)
     buffers = runner.mepic_kv_buffers()
     assert [b.shape for b in buffers] == [(4, 2, BS, 2, 64)] * 3
     for k, v in runner.kv_caches:
@@ -293,14 +361,16 @@ def realistic_step(seed: int, hq: int, hkv: int, head: int, decode: bool):
 
 @pytest.mark.parametrize("impl", ["triton-ascend", "npu"])
 @pytest.mark.parametrize("decode", [False, True])
-def test_backend_forward_on_vllm_ascend_cache_equals_reference(monkeypatch, npu_ops, impl, decode):
+def test_backend_forward_on_vllm_ascend_cache_equals_reference(
+    monkeypatch, npu_ops, allocate_kv, impl, decode
+):
     from ascend_mepic.worker.attention import MepicAttentionMetadata
     from ascend_mepic.worker.npu_attention import MepicNPUAttentionImpl
 
     hq, hkv, head, dtype = 8, 2, 128, torch.bfloat16
     meta, slots, num_blocks = realistic_step(3, hq, hkv, head, decode)
     gen = torch.Generator().manual_seed(3)
-    k_cache, v_cache = ascend_kv_pair(num_blocks, hkv, head, dtype)
+    k_cache, v_cache = ascend_kv_pair(allocate_kv, num_blocks, hkv, head, dtype)
     k_cache.copy_(torch.randn(k_cache.shape, generator=gen))  # the cached chunks' KV
     v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
     t = meta.num_queries
@@ -334,11 +404,13 @@ def test_backend_forward_on_vllm_ascend_cache_equals_reference(monkeypatch, npu_
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("decode", [False, True])
-def test_held_out_random_batches_on_vllm_ascend_cache(monkeypatch, npu_ops, seed, decode):
+def test_held_out_random_batches_on_vllm_ascend_cache(
+    monkeypatch, npu_ops, allocate_kv, seed, decode
+):
     """Random padded/packed tables (GQA, both RoPE styles) viewed through vllm-ascend's layout,
     through both NPU implementations, at fp32 (the double widened to take fp32)."""
     b = random_batch(seed, BS, 8, 2, head=128, neox=seed % 2 == 0, decode=decode, max_segment=60)
-    k_cache, v_cache = ascend_kv_pair(b.kv_cache.shape[1], 2, 128, torch.float32)
+    k_cache, v_cache = ascend_kv_pair(allocate_kv, b.kv_cache.shape[1], 2, 128, torch.float32)
     view = va.kv_pair_view((k_cache, v_cache))
     view.copy_(b.kv_cache)
     want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, b.rope.is_neox_style, b.scale)
