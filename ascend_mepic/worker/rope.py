@@ -85,14 +85,14 @@ def install_nope_rope(replace_registered: bool = False) -> None:
     global _installed
     if _installed:
         return
-    register = lambda cls, name: CustomOp.register_oot(cls, name=name)  # noqa: E731
+    register = lambda name, cls: CustomOp.register_oot(cls, name=name)  # noqa: E731
     if replace_registered:
         from ascend_mepic.vllm_integration.ascend import override_oot_op as register
     module = importlib.import_module(_ROTARY_MODULE)
     for name in SUPPORTED_ROTARY_CLASSES:
-        register(_nope_class(getattr(module, name)), name)
+        register(name, _nope_class(getattr(module, name)))
     for name in REJECTED_ROTARY_CLASSES:
         base = getattr(module, name, None)
         if base is not None:
-            register(_rejecting_class(base), name)
+            register(name, _rejecting_class(base))
     _installed = True
