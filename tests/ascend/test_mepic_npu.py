@@ -311,18 +311,18 @@ def test_runner_hands_block_major_buffers_to_the_tier_code(allocate_kv):
 
 
 def realistic_step(seed: int, hq: int, hkv: int, head: int, decode: bool):
-    """A step at block 128: request A (system prompt, two 200-token chunks recomputing their
+    """A step at block 128: request A (system prompt, two 150-token chunks recomputing their
     first 16 tokens, a question) with the chunk cache already filled, a compile of a new chunk
     as its own sequence, and a plain request; or, with ``decode``, one new token for each."""
     rng = random.Random(seed)
     req = [
-        Segment.prompt(range(1, 40)),
-        Segment.chunk(range(200)),
-        Segment.chunk(range(200)),
-        Segment.prompt(range(1, 30)),
+        Segment.prompt(range(1, 20)),
+        Segment.chunk(range(150)),
+        Segment.chunk(range(150)),
+        Segment.prompt(range(1, 10)),
     ]
-    compile_ = [Segment.chunk(range(150)), Segment.prompt([1])]
-    plain = [Segment.prompt(range(1, 90))]
+    compile_ = [Segment.chunk(range(60)), Segment.prompt([1])]
+    plain = [Segment.prompt(range(1, 20))]
     layouts = [
         build_packed_layout(req, BS, [16, 16], [0, 72]),
         build_packed_layout(compile_, BS, [0], [16]),
@@ -402,14 +402,14 @@ def test_backend_forward_on_vllm_ascend_cache_equals_reference(
     assert ("npu_fused_infer_attention_score" in calls) == (impl == "npu")
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("decode", [False, True])
 def test_held_out_random_batches_on_vllm_ascend_cache(
     monkeypatch, npu_ops, allocate_kv, seed, decode
 ):
     """Random padded/packed tables (GQA, both RoPE styles) viewed through vllm-ascend's layout,
     through both NPU implementations, at fp32 (the double widened to take fp32)."""
-    b = random_batch(seed, BS, 8, 2, head=128, neox=seed % 2 == 0, decode=decode, max_segment=60)
+    b = random_batch(seed, BS, 8, 2, head=128, neox=seed % 2 == 0, decode=decode, max_segment=30)
     k_cache, v_cache = ascend_kv_pair(allocate_kv, b.kv_cache.shape[1], 2, 128, torch.float32)
     view = va.kv_pair_view((k_cache, v_cache))
     view.copy_(b.kv_cache)

@@ -45,7 +45,7 @@ def check(out: torch.Tensor, b: Batch, tol: float) -> None:
     torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
     block_size=st.sampled_from([16, 32, 128]),
@@ -58,7 +58,7 @@ def test_prefill_matches_oracle_fp32(seed, block_size, heads, neox):
     check(run(b, kernel="prefill"), b, 1e-5)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
     block_size=st.sampled_from([16, 64, 128]),
