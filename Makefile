@@ -28,6 +28,7 @@ $(STAMP): setup.py Makefile
 		&& apt-get install -y -q redis-server >/dev/null; } \
 		|| echo "note: no redis-server; the Redis tier test will be skipped"
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+	$(PY) -m ascend_mepic.ops.cpu_kernel || echo "WARNING: the native CPU kernel (csrc/) did not build; the CPU path will use the slower torch reference"
 	touch $(STAMP)
 
 lint: setup

@@ -3,7 +3,8 @@
 One contract (``metadata.PagedRopeMetadata``, cache ``[2, num_blocks, B, Hkv, D]``), several
 implementations:
 
-* ``reference``: torch, any device; the CPU serving path.
+* ``reference``: torch, any device; the oracle, and the CPU path when the native kernel is missing.
+* ``cpu``: the native C++ kernel (``csrc/cpu/``, built by ``make setup``), the CPU default.
 * ``triton``: ``cuda_fallback/rope_paged_attention.py`` (CUDA; also runs under
   ``TRITON_INTERPRET=1``).
 * ``triton-ascend``: ``cuda_fallback/rope_paged_attention_ascend.py``, written for triton-ascend
@@ -13,7 +14,7 @@ implementations:
   double of the documented ops).
 
 ``rope_paged_attention`` picks one from the device of the query and what is importable; the
-environment variable ``ASCEND_MEPIC_ATTN_IMPL=reference|triton|triton-ascend|npu`` forces one.
+environment variable ``ASCEND_MEPIC_ATTN_IMPL=reference|cpu|triton|triton-ascend|npu`` forces one.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ascend_mepic.ops.reference import rope_paged_attention_reference, write_kv
 from ascend_mepic.ops.rope import RopeSpec, UnsupportedRopeError, apply_rope
 
 IMPL_ENV = "ASCEND_MEPIC_ATTN_IMPL"
-IMPLS = ("reference", "triton", "triton-ascend", "npu")
+IMPLS = ("reference", "cpu", "triton", "triton-ascend", "npu")
 
 AttentionFn = Callable[
     [torch.Tensor, torch.Tensor, PagedRopeMetadata, RopeSpec, float], torch.Tensor
@@ -40,6 +41,12 @@ def _triton() -> AttentionFn:
     from cuda_fallback.rope_paged_attention import rope_paged_attention_triton
 
     return rope_paged_attention_triton
+
+
+def _cpu() -> AttentionFn:
+    from ascend_mepic.ops.cpu_kernel import rope_paged_attention_cpu
+
+    return rope_paged_attention_cpu
 
 
 def _triton_ascend() -> AttentionFn:
@@ -76,12 +83,19 @@ def select_impl(device: torch.device) -> str:
         return "triton-ascend" if have_triton_ascend() else "npu"
     if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "triton"
+    if device.type == "cpu":
+        from ascend_mepic.ops import cpu_kernel
+
+        if cpu_kernel.available():
+            return "cpu"
     return "reference"
 
 
 def get_attention_fn(impl: str) -> AttentionFn:
     if impl == "reference":
         return rope_paged_attention_reference
+    if impl == "cpu":
+        return _cpu()
     if impl == "triton":
         return _triton()
     if impl == "triton-ascend":
@@ -106,7 +120,13 @@ def rope_paged_attention(
         raise UnsupportedRopeError(
             f"head size {query.shape[2]} differs from the rotary dim {rope.head_size}"
         )
-    return get_attention_fn(select_impl(query.device))(query, kv_cache, meta, rope, scale)
+    impl = select_impl(query.device)
+    if impl == "cpu" and not os.environ.get(IMPL_ENV):
+        from ascend_mepic.ops.cpu_kernel import SUPPORTED_DTYPES
+
+        if query.dtype not in SUPPORTED_DTYPES or kv_cache.dtype not in SUPPORTED_DTYPES:
+            impl = "reference"  # e.g. float16 on CPU: the kernel takes fp32 and bf16
+    return get_attention_fn(impl)(query, kv_cache, meta, rope, scale)
 
 
 __all__ = [

@@ -1,0 +1,302 @@
+// MEPIC's fused-RoPE paged attention for CPU: the op contract of ascend_mepic/ops/metadata.py.
+//
+// Why a native kernel: the torch reference gathers every real key of every sequence, rotates it
+// into a new tensor and runs SDPA on the copy, per layer. Here each K row is read in place from
+// the paged cache (through the cache's strides), rotated in a small per-thread buffer at its
+// logical position and consumed at once by an online softmax; nothing rotated is written back.
+//
+// Work items (at::parallel_for): (sequence, KV head, query tile, KV split). A tile holds up to
+// QUERY_TILE queries of one sequence; its rows are those queries times the GQA group sharing the
+// KV head, so each K/V row is read and rotated once per tile. Decode (one query per sequence)
+// splits a sequence's block table into ranges when there are fewer (sequence, KV head) items
+// than threads; each range yields a partial output and its log-sum-exp, merged afterwards.
+//
+// Query, K, V: float32 or bfloat16 (the cache may differ from the query); math in float32. The
+// inner loops are written for the compiler's vectoriser (-O3 -march=native -fopenmp-simd).
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QUERY_TILE = 16;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+inline void load_row(const T* __restrict src, float* __restrict dst, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Rotates x (D floats) with a cos/sin row (cos in [0, D/2), sin in [D/2, D)).
+inline void rotate(float* __restrict x, const float* __restrict cs, int64_t d, bool neox) {
+  const int64_t half = d / 2;
+  const float* cosv = cs;
+  const float* sinv = cs + half;
+  if (neox) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x[i], b = x[i + half];
+      x[i] = a * cosv[i] - b * sinv[i];
+      x[i + half] = b * cosv[i] + a * sinv[i];
+    }
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x[2 * i], b = x[2 * i + 1];
+      x[2 * i] = a * cosv[i] - b * sinv[i];
+      x[2 * i + 1] = b * cosv[i] + a * sinv[i];
+    }
+  }
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float alpha, const float* __restrict x, float* __restrict y, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) y[i] += alpha * x[i];
+}
+
+struct Meta {
+  const int32_t* loc;
+  const int32_t* q_pos;
+  const int32_t* q_idx;
+  const int32_t* tables;
+  const int32_t* nblocks;
+  const int32_t* first;
+  const int32_t* vstart;
+  const int32_t* vend;
+  int64_t table_stride;
+  int64_t block_size;
+  int64_t num_seqs;
+};
+
+struct WorkItem {
+  int32_t seq, kv_head, q_begin, q_end, entry_begin, entry_end, split;
+};
+
+std::vector<WorkItem> plan_work(const Meta& m, int64_t hkv, int64_t splits) {
+  std::vector<WorkItem> work;
+  for (int64_t s = 0; s < m.num_seqs; ++s) {
+    const int32_t q0 = m.loc[s], q1 = m.loc[s + 1];
+    if (q0 == q1) continue;
+    const int32_t nb = m.nblocks[s];
+    const int64_t parts = (q1 - q0 == 1) ? std::max<int64_t>(1, std::min<int64_t>(splits, nb)) : 1;
+    for (int64_t h = 0; h < hkv; ++h) {
+      for (int32_t t = q0; t < q1; t += QUERY_TILE) {
+        const int32_t t1 = std::min<int32_t>(t + QUERY_TILE, q1);
+        for (int64_t p = 0; p < parts; ++p) {
+          const int32_t e0 = static_cast<int32_t>(nb * p / parts);
+          const int32_t e1 = static_cast<int32_t>(nb * (p + 1) / parts);
+          work.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), t, t1, e0, e1,
+                          parts > 1 ? static_cast<int32_t>(p) : -1});
+        }
+      }
+    }
+  }
+  return work;
+}
+
+template <typename QT, typename KT>
+void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const KT* k_ptr,
+            const KT* v_ptr, int64_t cb, int64_t cs, int64_t ch, const Meta& m,
+            const float* cos_sin, int64_t cs_stride, bool neox, float scale, int64_t group,
+            int64_t d, std::vector<float>& buf, float* out_rows, float* row_max, float* row_sum) {
+  const int64_t nq = w.q_end - w.q_begin;
+  const int64_t rows = nq * group;
+  const int64_t bs = m.block_size;
+  float* q = buf.data();             // [rows, d] rotated, scaled queries
+  float* k = q + rows * d;           // [d] the current rotated key
+  float* v = k + d;                  // [d] the current value
+  int32_t max_idx = -1;
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t t = w.q_begin + i;
+    max_idx = std::max(max_idx, m.q_idx[t]);
+    const float* cs_row = cos_sin + static_cast<int64_t>(m.q_pos[t]) * cs_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      float* row = q + (i * group + g) * d;
+      load_row(q_ptr + t * qs0 + (w.kv_head * group + g) * qs1, row, d);
+      rotate(row, cs_row, d, neox);
+      for (int64_t x = 0; x < d; ++x) row[x] *= scale;
+    }
+  }
+  std::fill(out_rows, out_rows + rows * d, 0.f);
+  std::fill(row_max, row_max + rows, NEG_INF);
+  std::fill(row_sum, row_sum + rows, 0.f);
+  const int64_t meta_row = static_cast<int64_t>(w.seq) * m.table_stride;
+  for (int32_t j = w.entry_begin; j < w.entry_end; ++j) {
+    const int32_t v0 = m.vstart[meta_row + j], v1 = m.vend[meta_row + j];
+    if (v0 >= v1 || static_cast<int64_t>(j) * bs + v0 > max_idx) continue;
+    const int64_t blk = m.tables[meta_row + j];
+    const int32_t first = m.first[meta_row + j];
+    for (int32_t slot = v0; slot < v1; ++slot) {
+      const int64_t key_idx = static_cast<int64_t>(j) * bs + slot;
+      if (key_idx > max_idx) break;
+      const int64_t off = blk * cb + slot * cs + static_cast<int64_t>(w.kv_head) * ch;
+      load_row(k_ptr + off, k, d);
+      rotate(k, cos_sin + static_cast<int64_t>(first + slot - v0) * cs_stride, d, neox);
+      bool v_loaded = false;
+      for (int64_t i = 0; i < nq; ++i) {
+        if (key_idx > m.q_idx[w.q_begin + i]) continue;
+        if (!v_loaded) {
+          load_row(v_ptr + off, v, d);
+          v_loaded = true;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = i * group + g;
+          const float s = dot(q + r * d, k, d);
+          float* acc = out_rows + r * d;
+          if (s > row_max[r]) {
+            const float alpha = std::exp(row_max[r] - s);  // exp(-inf) = 0 on the first key
+            for (int64_t x = 0; x < d; ++x) acc[x] *= alpha;
+            row_sum[r] = row_sum[r] * alpha + 1.f;
+            row_max[r] = s;
+            axpy(1.f, v, acc, d);
+          } else {
+            const float p = std::exp(s - row_max[r]);
+            row_sum[r] += p;
+            axpy(p, v, acc, d);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename QT, typename KT>
+void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
+         const float* cos_sin, int64_t cs_stride, bool neox, float scale, at::Tensor& out,
+         int64_t splits) {
+  const int64_t hq = query.size(1), d = query.size(2);
+  const int64_t hkv = kv_cache.size(3);
+  const int64_t group = hq / hkv;
+  const QT* q_ptr = query.data_ptr<QT>();
+  QT* o_ptr = out.data_ptr<QT>();
+  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1);
+  const KT* k_ptr = kv_cache.data_ptr<KT>();
+  const KT* v_ptr = k_ptr + kv_cache.stride(0);
+  const int64_t cb = kv_cache.stride(1), cs = kv_cache.stride(2), ch = kv_cache.stride(3);
+
+  const std::vector<WorkItem> work = plan_work(m, hkv, splits);
+  const int64_t n = static_cast<int64_t>(work.size());
+  const int64_t max_rows = QUERY_TILE * group;
+  // Per work item: its rows' outputs (unnormalised), maxima and sums, merged below.
+  std::vector<float> acc(n * max_rows * d), mx(n * max_rows), sm(n * max_rows);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf((max_rows + 2) * d);
+    for (int64_t i = begin; i < end; ++i) {
+      attend<QT, KT>(work[i], q_ptr, qs0, qs1, k_ptr, v_ptr, cb, cs, ch, m, cos_sin, cs_stride,
+                     neox, scale, group, d, buf, acc.data() + i * max_rows * d,
+                     mx.data() + i * max_rows, sm.data() + i * max_rows);
+    }
+  });
+  // Merge: items of one (sequence, KV head, tile) differ only by split and are adjacent.
+  std::vector<float> row(d);
+  for (int64_t i = 0; i < n;) {
+    int64_t j = i + 1;
+    while (j < n && work[j].split > 0 && work[j].seq == work[i].seq &&
+           work[j].kv_head == work[i].kv_head && work[j].q_begin == work[i].q_begin)
+      ++j;
+    const WorkItem& w = work[i];
+    const int64_t rows = (w.q_end - w.q_begin) * group;
+    for (int64_t r = 0; r < rows; ++r) {
+      float best = NEG_INF;
+      for (int64_t p = i; p < j; ++p) best = std::max(best, mx[p * max_rows + r]);
+      std::fill(row.begin(), row.end(), 0.f);
+      float total = 0.f;
+      if (best != NEG_INF) {
+        for (int64_t p = i; p < j; ++p) {
+          const float m_p = mx[p * max_rows + r];
+          if (m_p == NEG_INF) continue;
+          const float wgt = std::exp(m_p - best);
+          total += wgt * sm[p * max_rows + r];
+          axpy(wgt, acc.data() + (p * max_rows + r) * d, row.data(), d);
+        }
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;  // no visible key: 0
+      const int64_t t = w.q_begin + r / group;
+      const int64_t head = static_cast<int64_t>(w.kv_head) * group + r % group;
+      QT* dst = o_ptr + t * os0 + head * os1;
+      for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<QT>(row[x] * inv);
+    }
+    i = j;
+  }
+}
+
+at::Tensor contiguous_int32(const at::Tensor& t) {
+  return t.to(at::kInt).contiguous();
+}
+
+}  // namespace
+
+// query [T, Hq, D]; kv_cache [2, num_blocks, B, Hkv, D] (any strides, last dim contiguous);
+// cos_sin_cache [max_pos, D] (cos | sin); metadata as in ascend_mepic/ops/metadata.py.
+at::Tensor rope_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                                const at::Tensor& query_start_loc,
+                                const at::Tensor& query_positions,
+                                const at::Tensor& query_indices, const at::Tensor& block_tables,
+                                const at::Tensor& num_blocks, const at::Tensor& block_first_pos,
+                                const at::Tensor& block_valid_start,
+                                const at::Tensor& block_valid_end, const at::Tensor& cos_sin_cache,
+                                bool is_neox, double scale, int64_t num_splits) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
+              "query [T, Hq, D] and kv_cache [2, num_blocks, B, Hkv, D] expected");
+  const int64_t d = query.size(2);
+  TORCH_CHECK(kv_cache.size(4) == d && cos_sin_cache.size(1) == d && d % 2 == 0,
+              "head dims of query, cache and cos_sin_cache must agree and be even");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(kv_cache.stride(4) == 1, "the cache's head dimension must be contiguous");
+  const at::Tensor q = query.stride(2) == 1 ? query : query.contiguous();
+  at::Tensor out = at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (q.size(0) == 0) return out;
+  const at::Tensor cs = cos_sin_cache.to(at::kFloat).contiguous();
+  const at::Tensor loc = contiguous_int32(query_start_loc), pos = contiguous_int32(query_positions),
+                   idx = contiguous_int32(query_indices), tables = contiguous_int32(block_tables),
+                   nb = contiguous_int32(num_blocks), first = contiguous_int32(block_first_pos),
+                   vs = contiguous_int32(block_valid_start), ve = contiguous_int32(block_valid_end);
+  Meta m{loc.data_ptr<int32_t>(), pos.data_ptr<int32_t>(),    idx.data_ptr<int32_t>(),
+         tables.data_ptr<int32_t>(), nb.data_ptr<int32_t>(),  first.data_ptr<int32_t>(),
+         vs.data_ptr<int32_t>(),     ve.data_ptr<int32_t>(),  tables.size(1),
+         kv_cache.size(2),           tables.size(0)};
+  const float* cs_ptr = cs.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const auto qt = q.scalar_type(), kt = kv_cache.scalar_type();
+  const bool q32 = qt == at::kFloat, k32 = kt == at::kFloat;
+  TORCH_CHECK((q32 || qt == at::kBFloat16) && (k32 || kt == at::kBFloat16),
+              "query and cache must be float32 or bfloat16");
+  if (q32 && k32)
+    run<float, float>(q, kv_cache, m, cs_ptr, d, is_neox, sc, out, num_splits);
+  else if (q32)
+    run<float, at::BFloat16>(q, kv_cache, m, cs_ptr, d, is_neox, sc, out, num_splits);
+  else if (k32)
+    run<at::BFloat16, float>(q, kv_cache, m, cs_ptr, d, is_neox, sc, out, num_splits);
+  else
+    run<at::BFloat16, at::BFloat16>(q, kv_cache, m, cs_ptr, d, is_neox, sc, out, num_splits);
+  return out;
+}
+
+TORCH_LIBRARY(ascend_mepic, lib) {
+  lib.def(
+      "rope_paged_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, "
+      "Tensor query_positions, Tensor query_indices, Tensor block_tables, Tensor num_blocks, "
+      "Tensor block_first_pos, Tensor block_valid_start, Tensor block_valid_end, "
+      "Tensor cos_sin_cache, bool is_neox, float scale, int num_splits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ascend_mepic, CPU, lib) {
+  lib.impl("rope_paged_attention", &rope_paged_attention);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -1,0 +1,103 @@
+"""The native CPU kernel (``csrc/cpu/``) against the dense oracle and the torch reference.
+
+``make setup`` builds the kernel; a machine where it does not build fails here loudly (the
+serving path would fall back to the reference, see ``ascend_mepic.ops.cpu_kernel``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ascend_mepic.ops import cpu_kernel, rope_paged_attention, select_impl
+from ascend_mepic.ops.reference import rope_paged_attention_reference
+from tests.ops.oracle import Batch, dense_oracle, random_batch
+
+heads = st.sampled_from([(4, 4), (8, 2), (6, 3), (4, 1), (9, 3)])
+
+
+def test_kernel_builds_and_is_the_cpu_default(monkeypatch):
+    assert cpu_kernel.load(), "the native CPU kernel did not build; see the logged error"
+    monkeypatch.delenv("ASCEND_MEPIC_ATTN_IMPL", raising=False)
+    assert select_impl(torch.device("cpu")) == "cpu"
+
+
+def run(b: Batch, **kwargs) -> torch.Tensor:
+    return cpu_kernel.rope_paged_attention_cpu(
+        b.query, b.kv_cache, b.meta, b.rope, b.scale, **kwargs
+    )
+
+
+def check(out: torch.Tensor, b: Batch, tol: float) -> None:
+    assert out.dtype == b.query.dtype and out.shape == b.query.shape
+    want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, b.rope.is_neox_style, b.scale)
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    ref = rope_paged_attention_reference(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+    torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    block_size=st.sampled_from([16, 32, 128, 24]),
+    heads=heads,
+    neox=st.booleans(),
+    decode=st.booleans(),
+    splits=st.sampled_from([1, 2, 3, 8]),
+)
+def test_matches_oracle_fp32(seed, block_size, heads, neox, decode, splits):
+    b = random_batch(seed, block_size, *heads, neox=neox, decode=decode)
+    check(run(b, num_splits=splits), b, 1e-5)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_bf16_cache_and_query(decode):
+    b = random_batch(4, 128, 8, 2, dtype=torch.bfloat16, decode=decode)
+    check(run(b), b, 2e-2)
+
+
+def test_fp32_query_over_bf16_cache():
+    b = random_batch(5, 32, 6, 3)
+    cache = b.kv_cache.bfloat16()
+    out = cpu_kernel.rope_paged_attention_cpu(b.query, cache, b.meta, b.rope, b.scale)
+    want = rope_paged_attention_reference(b.query, cache.float(), b.meta, b.rope, b.scale)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_strided_cache_view_as_the_integration_passes_it():
+    """vLLM's CPU buffer is block-major; the backend passes ``[2, nb, B, H, D]`` as a view."""
+    b = random_batch(6, 32, 4, 2, decode=False)
+    block_major = b.kv_cache.transpose(0, 1).contiguous()
+    view = block_major.transpose(0, 1)
+    assert not view.is_contiguous()
+    out = cpu_kernel.rope_paged_attention_cpu(b.query, view, b.meta, b.rope, b.scale)
+    check(out, b, 1e-5)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_pad_slots_may_hold_nan(decode):
+    b = random_batch(9, 32, 8, 2, decode=decode)
+    want = run(b)
+    m = b.meta
+    real = torch.zeros(b.kv_cache.shape[1:3], dtype=torch.bool)
+    for s in range(m.num_seqs):
+        for j in range(int(m.num_blocks[s])):
+            blk = int(m.block_tables[s, j])
+            real[blk, int(m.block_valid_start[s, j]) : int(m.block_valid_end[s, j])] = True
+    b.kv_cache[:, ~real] = float("nan")
+    torch.testing.assert_close(run(b), want)
+
+
+def test_dispatch_runs_the_kernel(monkeypatch):
+    b = random_batch(7, 16, 4, 2)
+    monkeypatch.delenv("ASCEND_MEPIC_ATTN_IMPL", raising=False)
+    out = rope_paged_attention(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+    torch.testing.assert_close(out, run(b))
+
+
+def test_rejects_other_dtypes():
+    b = random_batch(1, 16, 4, 2, dtype=torch.float16)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        run(b)
