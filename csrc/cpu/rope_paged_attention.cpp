@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -53,6 +54,24 @@ inline void rotate(float* __restrict x, const float* __restrict cs, int64_t d, b
       x[2 * i + 1] = b * cosv[i] + a * sinv[i];
     }
   }
+}
+
+// exp(x) for x <= 0 (scores minus their running maximum), in a form the compiler vectorises
+// (libm's expf is a scalar call): 2^(x log2 e) = 2^i * 2^f with i the nearest integer, so
+// |f| <= 1/2, and 2^f by its degree-6 Taylor polynomial (relative error about 1e-7, float
+// rounding level). Inputs below -87 are clamped: their weight is below float precision anyway.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.4426950408889634f;
+  const float fi = std::nearbyint(t);
+  const float f = t - fi;
+  const float p =
+      1.f + f * (0.69314718f +
+                 f * (0.24022652f +
+                      f * (0.05550411f + f * (0.00961813f + f * (0.00133336f + f * 0.00015404f)))));
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
 }
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
@@ -107,18 +126,67 @@ std::vector<WorkItem> plan_work(const Meta& m, int64_t hkv, int64_t splits) {
   return work;
 }
 
+constexpr int64_t KEY_CHUNK = 64;
+
+// Scratch of one thread: rotated queries, a chunk of rotated keys and of values (row-major),
+// the chunk's scores.
+struct Scratch {
+  std::vector<float> q, k, v, s;
+  Scratch(int64_t rows, int64_t d)
+      : q(rows * d), k(KEY_CHUNK * d), v(KEY_CHUNK * d), s(rows * KEY_CHUNK) {}
+};
+
+// Scores of four rows against one key in one pass over the key (the key is read once).
+inline void dot4(const float* __restrict q0, const float* __restrict q1,
+                 const float* __restrict q2, const float* __restrict q3,
+                 const float* __restrict k, int64_t d, float* out) {
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+  for (int64_t x = 0; x < d; ++x) {
+    const float kx = k[x];
+    a0 += q0[x] * kx;
+    a1 += q1[x] * kx;
+    a2 += q2[x] * kx;
+    a3 += q3[x] * kx;
+  }
+  out[0] = a0;
+  out[1] = a1;
+  out[2] = a2;
+  out[3] = a3;
+}
+
+// acc_i += p_i * v for four rows (v is read once).
+inline void axpy4(const float* p, const float* __restrict v, float* __restrict a0,
+                  float* __restrict a1, float* __restrict a2, float* __restrict a3, int64_t d) {
+  const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
+#pragma omp simd
+  for (int64_t x = 0; x < d; ++x) {
+    const float vx = v[x];
+    a0[x] += p0 * vx;
+    a1[x] += p1 * vx;
+    a2[x] += p2 * vx;
+    a3[x] += p3 * vx;
+  }
+}
+
+// One work item: online softmax of its rows over block-table entries [entry_begin, entry_end),
+// KEY_CHUNK keys at a time. Rows go four at a time through the scores and P.V, so each rotated
+// key and each value row is read once per four rows.
 template <typename QT, typename KT>
 void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const KT* k_ptr,
             const KT* v_ptr, int64_t cb, int64_t cs, int64_t ch, const Meta& m,
             const float* cos_sin, int64_t cs_stride, bool neox, float scale, int64_t group,
-            int64_t d, std::vector<float>& buf, float* out_rows, float* row_max, float* row_sum) {
+            int64_t d, Scratch& sc, float* out_rows, float* row_max, float* row_sum) {
   const int64_t nq = w.q_end - w.q_begin;
   const int64_t rows = nq * group;
+  const int64_t padded = (rows + 3) / 4 * 4;  // rows beyond `rows` are zero and ignored
   const int64_t bs = m.block_size;
-  float* q = buf.data();             // [rows, d] rotated, scaled queries
-  float* k = q + rows * d;           // [d] the current rotated key
-  float* v = k + d;                  // [d] the current value
+  float* q = sc.q.data();
+  float* kb = sc.k.data();
+  float* vb = sc.v.data();
+  float* s = sc.s.data();
   int32_t max_idx = -1;
+  std::fill(q, q + padded * d, 0.f);
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t t = w.q_begin + i;
     max_idx = std::max(max_idx, m.q_idx[t]);
@@ -127,46 +195,76 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
       float* row = q + (i * group + g) * d;
       load_row(q_ptr + t * qs0 + (w.kv_head * group + g) * qs1, row, d);
       rotate(row, cs_row, d, neox);
+#pragma omp simd
       for (int64_t x = 0; x < d; ++x) row[x] *= scale;
     }
   }
-  std::fill(out_rows, out_rows + rows * d, 0.f);
-  std::fill(row_max, row_max + rows, NEG_INF);
-  std::fill(row_sum, row_sum + rows, 0.f);
+  std::fill(out_rows, out_rows + padded * d, 0.f);
+  std::fill(row_max, row_max + padded, NEG_INF);
+  std::fill(row_sum, row_sum + padded, 0.f);
   const int64_t meta_row = static_cast<int64_t>(w.seq) * m.table_stride;
+  std::vector<int64_t> visible(padded);
   for (int32_t j = w.entry_begin; j < w.entry_end; ++j) {
-    const int32_t v0 = m.vstart[meta_row + j], v1 = m.vend[meta_row + j];
-    if (v0 >= v1 || static_cast<int64_t>(j) * bs + v0 > max_idx) continue;
+    const int64_t base = static_cast<int64_t>(j) * bs;
+    const int32_t v0 = m.vstart[meta_row + j];
+    const int32_t v1 = static_cast<int32_t>(
+        std::min<int64_t>(m.vend[meta_row + j], static_cast<int64_t>(max_idx) - base + 1));
+    if (v0 >= v1) continue;  // empty entry, or wholly after every query of the tile
     const int64_t blk = m.tables[meta_row + j];
     const int32_t first = m.first[meta_row + j];
-    for (int32_t slot = v0; slot < v1; ++slot) {
-      const int64_t key_idx = static_cast<int64_t>(j) * bs + slot;
-      if (key_idx > max_idx) break;
-      const int64_t off = blk * cb + slot * cs + static_cast<int64_t>(w.kv_head) * ch;
-      load_row(k_ptr + off, k, d);
-      rotate(k, cos_sin + static_cast<int64_t>(first + slot - v0) * cs_stride, d, neox);
-      bool v_loaded = false;
-      for (int64_t i = 0; i < nq; ++i) {
-        if (key_idx > m.q_idx[w.q_begin + i]) continue;
-        if (!v_loaded) {
-          load_row(v_ptr + off, v, d);
-          v_loaded = true;
+    for (int32_t c0 = v0; c0 < v1; c0 += KEY_CHUNK) {
+      const int64_t n = std::min<int64_t>(KEY_CHUNK, v1 - c0);
+      for (int64_t c = 0; c < n; ++c) {
+        const int64_t off = blk * cb + (c0 + c) * cs + static_cast<int64_t>(w.kv_head) * ch;
+        load_row(k_ptr + off, kb + c * d, d);
+        rotate(kb + c * d, cos_sin + static_cast<int64_t>(first + c0 + c - v0) * cs_stride, d,
+               neox);
+        load_row(v_ptr + off, vb + c * d, d);
+      }
+      for (int64_t r = 0; r < padded; r += 4) {
+        float* s0 = s + r * KEY_CHUNK;
+        for (int64_t c = 0; c < n; ++c) {
+          float out[4];
+          dot4(q + r * d, q + (r + 1) * d, q + (r + 2) * d, q + (r + 3) * d, kb + c * d, d, out);
+          for (int64_t u = 0; u < 4; ++u) s0[u * KEY_CHUNK + c] = out[u];
         }
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t r = i * group + g;
-          const float s = dot(q + r * d, k, d);
+      }
+      // Online softmax per row; causal in layout order (keys after the row's query hidden).
+      for (int64_t r = 0; r < padded; ++r) {
+        float* sr = s + r * KEY_CHUNK;
+        const int64_t vis =
+            r < rows ? std::min<int64_t>(n, m.q_idx[w.q_begin + r / group] - base - c0 + 1) : 0;
+        visible[r] = std::max<int64_t>(vis, 0);
+        if (vis <= 0) {
+          std::fill(sr, sr + n, 0.f);
+          continue;
+        }
+        float mx = NEG_INF;
+        for (int64_t c = 0; c < vis; ++c) mx = std::max(mx, sr[c]);
+        const float new_max = std::max(row_max[r], mx);
+        const float alpha = std::exp(row_max[r] - new_max);  // 0 on the row's first keys
+        if (alpha != 1.f) {
           float* acc = out_rows + r * d;
-          if (s > row_max[r]) {
-            const float alpha = std::exp(row_max[r] - s);  // exp(-inf) = 0 on the first key
-            for (int64_t x = 0; x < d; ++x) acc[x] *= alpha;
-            row_sum[r] = row_sum[r] * alpha + 1.f;
-            row_max[r] = s;
-            axpy(1.f, v, acc, d);
-          } else {
-            const float p = std::exp(s - row_max[r]);
-            row_sum[r] += p;
-            axpy(p, v, acc, d);
-          }
+#pragma omp simd
+          for (int64_t x = 0; x < d; ++x) acc[x] *= alpha;
+        }
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t c = 0; c < vis; ++c) {
+          sr[c] = exp_nonpositive(sr[c] - new_max);
+          total += sr[c];
+        }
+        std::fill(sr + vis, sr + n, 0.f);
+        row_sum[r] = row_sum[r] * alpha + total;
+        row_max[r] = new_max;
+      }
+      for (int64_t r = 0; r < padded; r += 4) {
+        const int64_t reach = std::max({visible[r], visible[r + 1], visible[r + 2], visible[r + 3]});
+        for (int64_t c = 0; c < reach; ++c) {
+          const float p[4] = {s[r * KEY_CHUNK + c], s[(r + 1) * KEY_CHUNK + c],
+                              s[(r + 2) * KEY_CHUNK + c], s[(r + 3) * KEY_CHUNK + c]};
+          axpy4(p, vb + c * d, out_rows + r * d, out_rows + (r + 1) * d,
+                out_rows + (r + 2) * d, out_rows + (r + 3) * d, d);
         }
       }
     }
@@ -190,14 +288,14 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
 
   const std::vector<WorkItem> work = plan_work(m, hkv, splits);
   const int64_t n = static_cast<int64_t>(work.size());
-  const int64_t max_rows = QUERY_TILE * group;
+  const int64_t max_rows = (QUERY_TILE * group + 3) / 4 * 4;
   // Per work item: its rows' outputs (unnormalised), maxima and sums, merged below.
   std::vector<float> acc(n * max_rows * d), mx(n * max_rows), sm(n * max_rows);
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf((max_rows + 2) * d);
+    Scratch scratch(max_rows, d);
     for (int64_t i = begin; i < end; ++i) {
       attend<QT, KT>(work[i], q_ptr, qs0, qs1, k_ptr, v_ptr, cb, cs, ch, m, cos_sin, cs_stride,
-                     neox, scale, group, d, buf, acc.data() + i * max_rows * d,
+                     neox, scale, group, d, scratch, acc.data() + i * max_rows * d,
                      mx.data() + i * max_rows, sm.data() + i * max_rows);
     }
   });

@@ -300,6 +300,12 @@ def add_parser(sub: Any) -> None:
     common(k, 30)
     k.add_argument("--points", type=int, nargs="+", help="chunk counts (2..16)")
     k.set_defaults(func=cmd_chunks)
+    kern = bsub.add_parser(
+        "kernels", help="MEPIC's CPU attention kernel vs vLLM's on the same shapes (no engine)"
+    )
+    from ascend_mepic.eval.bench.kernels import add_arguments as add_kernel_arguments
+
+    add_kernel_arguments(kern)
     w = bsub.add_parser("workload", help="Table 1 workload statistics (no engine)")
     common(w, 200)
     w.add_argument("--points", type=int, nargs="+", help="chunk counts")

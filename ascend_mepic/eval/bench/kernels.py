@@ -1,0 +1,226 @@
+"""``ascend-mepic bench kernels``: MEPIC's CPU attention kernel against vLLM's, on the same shapes.
+
+Both kernels run in this process on the same threads, dtype, block size and context: vLLM's CPU
+attention (``cpu_attention_with_kv_cache``, what CPU_ATTN runs, K stored rotated) and MEPIC's
+native kernel (``csrc/cpu/``, K stored un-rotated and rotated at read, the op contract's plain
+layout: every block full, positions = indices). Before timing, the two outputs are compared (the
+same attention, RoPE applied at write for vLLM and at read for MEPIC), so a ratio is never
+reported for a kernel that computes something else.
+
+Ratios are throughputs, MEPIC over vLLM (above 1: MEPIC faster): ``decode_vs_vllm`` (one query
+per sequence over ``context`` keys, ``batch`` sequences) and ``prefill_vs_vllm`` (one sequence of
+``context`` queries, causal). The JSON keeps every timing, the shapes and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ascend_mepic.ops import cpu_kernel
+from ascend_mepic.ops.metadata import PagedRopeMetadata
+from ascend_mepic.ops.reference import write_kv
+from ascend_mepic.ops.rope import RopeSpec, default_cos_sin_cache
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _rotate(x: torch.Tensor, pos: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Neox RoPE of ``x [N, H, D]`` at ``pos [N]`` (float32)."""
+    cos, sin = cos_sin[pos].float().chunk(2, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Case:
+    """One shape: random K/V written to both caches, both kernels' inputs prepared."""
+
+    def __init__(
+        self,
+        num_seqs: int,
+        num_queries: int,
+        context: int,
+        heads: int,
+        kv_heads: int,
+        head: int,
+        block: int,
+        dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        gen = torch.Generator().manual_seed(seed)
+        blocks_per_seq = -(-context // block)
+        nb = num_seqs * blocks_per_seq + 1
+        self.scale = head**-0.5
+        cos_sin = default_cos_sin_cache(head, context, 10000.0)
+        self.rope = RopeSpec.from_cache(cos_sin, True)
+        tables = torch.arange(1, nb, dtype=torch.int32).view(num_seqs, blocks_per_seq)
+        pos = torch.arange(context)
+        key = torch.randn(num_seqs, context, kv_heads, head, generator=gen)
+        value = torch.randn(num_seqs, context, kv_heads, head, generator=gen)
+        slots = (tables.long()[:, pos // block] * block + pos % block).flatten()
+        query_pos = pos[context - num_queries :]
+        q = torch.randn(num_seqs * num_queries, heads, head, generator=gen)
+        self.query = q.to(dtype)
+
+        # MEPIC: [2, nb, B, Hkv, D] un-rotated, the plain op-contract metadata.
+        self.mepic_cache = torch.zeros(2, nb, block, kv_heads, head, dtype=dtype)
+        write_kv(key.flatten(0, 1), value.flatten(0, 1), self.mepic_cache, slots)
+        first = (torch.arange(blocks_per_seq, dtype=torch.int32) * block).expand(num_seqs, -1)
+        loc = torch.arange(num_seqs + 1, dtype=torch.int32) * num_queries
+        self.meta = PagedRopeMetadata(
+            block_size=block,
+            query_start_loc=loc,
+            query_positions=query_pos.repeat(num_seqs).to(torch.int32),
+            query_indices=query_pos.repeat(num_seqs).to(torch.int32),
+            block_tables=tables,
+            num_blocks=torch.full((num_seqs,), blocks_per_seq, dtype=torch.int32),
+            block_first_pos=first.contiguous(),
+            block_valid_start=torch.zeros_like(tables),
+            block_valid_end=torch.full_like(tables, block),
+            max_query_len=num_queries,
+            max_num_blocks=blocks_per_seq,
+        )
+
+        # vLLM: [nb, Hkv, 2B, D] (K rows then V rows of a block), K rotated at write time.
+        self.isa = _get_attn_isa(dtype, block, head)
+        raw = torch.zeros(nb, kv_heads, 2 * block, head, dtype=dtype)
+        self.key_cache, self.value_cache = raw.chunk(2, dim=2)
+        rotated = _rotate(key.flatten(0, 1), pos.repeat(num_seqs), cos_sin)
+        ops.cpu_attn_reshape_and_cache(
+            rotated.to(dtype), value.flatten(0, 1).to(dtype), self.key_cache, self.value_cache,
+            slots, self.isa,
+        )  # fmt: skip
+        self.vllm_query = _rotate(q, query_pos.repeat(num_seqs), cos_sin).to(dtype)
+        self.seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+        self.loc = loc
+        self.tables = tables
+        self.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=num_seqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=head,
+            seq_lens=self.seq_lens, dtype=dtype, query_start_loc=loc, causal=True,
+            sliding_window_size=-1, isa=self.isa, enable_kv_split=True,
+        )  # fmt: skip
+        self.out = torch.empty_like(self.vllm_query)
+        self._ops = ops
+
+    def run_vllm(self) -> torch.Tensor:
+        self._ops.cpu_attention_with_kv_cache(
+            query=self.vllm_query, key_cache=self.key_cache, value_cache=self.value_cache,
+            output=self.out, query_start_loc=self.loc, seq_lens=self.seq_lens, scale=self.scale,
+            causal=True, alibi_slopes=None, sliding_window=-1, block_table=self.tables,
+            softcap=0.0, scheduler_metadata=self.scheduler_metadata, s_aux=None,
+        )  # fmt: skip
+        return self.out
+
+    def run_mepic(self) -> torch.Tensor:
+        return cpu_kernel.rope_paged_attention_cpu(
+            self.query, self.mepic_cache, self.meta, self.rope, self.scale
+        )
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(
+    context: int = 2048,
+    batch: int = 8,
+    heads: int = 9,
+    kv_heads: int = 3,
+    head: int = 64,
+    block: int = 128,
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    threads: int | None = None,
+    repeats: int = 5,
+) -> dict[str, Any]:
+    if not cpu_kernel.load():
+        raise RuntimeError("MEPIC's native CPU kernel is not available (see the logged error)")
+    if threads:
+        torch.set_num_threads(threads)
+    results: dict[str, Any] = {}
+    for name in dtypes:
+        dtype = DTYPES[name]
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        for kind, seqs, queries in (("decode", batch, 1), ("prefill", 1, context)):
+            case = Case(seqs, queries, context, heads, kv_heads, head, block, dtype)
+            diff = (case.run_mepic().float() - case.run_vllm().float()).abs().max().item()
+            if diff > tol:
+                raise AssertionError(f"{kind} {name}: MEPIC and vLLM differ by {diff:.3g}")
+            vllm_s = _time(case.run_vllm, repeats)
+            mepic_s = _time(case.run_mepic, repeats)
+            results[f"{kind}/{name}"] = {
+                "vllm_s": vllm_s,
+                "mepic_s": mepic_s,
+                "ratio": vllm_s / mepic_s,
+                "max_abs_diff": diff,
+                "vllm_isa": case.isa,
+                "sequences": seqs,
+                "queries_per_sequence": queries,
+            }
+    return {
+        "decode_vs_vllm": min(r["ratio"] for k, r in results.items() if k.startswith("decode")),
+        "prefill_vs_vllm": min(r["ratio"] for k, r in results.items() if k.startswith("prefill")),
+        "results": results,
+        "shapes": {
+            "context": context,
+            "decode_batch": batch,
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "head_size": head,
+            "block_size": block,
+            "dtypes": list(dtypes),
+        },
+        "threads": torch.get_num_threads(),
+        "machine": {"platform": platform.platform(), "processor": platform.processor()},
+        "note": "ratios are throughput, MEPIC / vLLM (above 1: MEPIC faster); min over dtypes",
+    }
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    report = run(
+        context=args.context,
+        batch=args.batch,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head=args.head_size,
+        block=args.block_size,
+        dtypes=tuple(args.dtypes),
+        threads=args.threads,
+        repeats=args.repeats,
+    )
+    text = json.dumps(report, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--context", type=int, default=2048, help="keys per sequence")
+    p.add_argument("--batch", type=int, default=8, help="decode sequences")
+    p.add_argument("--heads", type=int, default=9, help="query heads (default: SmolLM2-135M's)")
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.set_defaults(func=cmd_kernels)
