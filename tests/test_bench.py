@@ -157,3 +157,22 @@ def test_runner_drives_the_real_engine_at_block_16():
     assert rows[0]["top1_agreement"] == 1.0
     assert rows[1]["reuse_fraction"] > 0  # the second and third requests share the article
     assert "prefix at 32" in stats.render_compare_report(rows, "T", hw="hw")
+
+
+def test_bench_kernels_reports_both_ratios_on_matching_outputs(tmp_path):
+    """``ascend-mepic bench kernels``: MEPIC's CPU kernel and vLLM's run the same attention
+    (their outputs are cross-checked before timing) and the JSON holds both ratios."""
+    import json
+
+    from ascend_mepic.entrypoints.cli import main
+
+    out = tmp_path / "kernels.json"
+    argv = ["bench", "kernels", "--context", "256", "--batch", "2", "--repeats", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["decode_vs_vllm"] > 0 and report["prefill_vs_vllm"] > 0
+    assert set(report["results"]) == {
+        "decode/float32", "prefill/float32", "decode/bfloat16", "prefill/bfloat16"
+    }  # fmt: skip
+    assert report["results"]["prefill/float32"]["max_abs_diff"] < 1e-3
+    assert report["shapes"]["context"] == 256
