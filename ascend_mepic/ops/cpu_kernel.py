@@ -49,7 +49,13 @@ def load(verbose: bool = False) -> bool:
         load_extension(
             name=EXT_NAME,
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"],
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-mprefer-vector-width=256",
+                "-fopenmp-simd",
+                "-fno-math-errno",
+            ],
             build_directory=str(directory),
             is_python_module=False,
             verbose=verbose,

@@ -20,8 +20,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+#include <bit>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -35,7 +36,31 @@ inline void load_row(const T* __restrict src, float* __restrict dst, int64_t d) 
   for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// Rotates x (D floats) with a cos/sin row (cos in [0, D/2), sin in [D/2, D)).
+// Reads row `src` (D elements), rotates it with a cos/sin row (cos in [0, D/2), sin in
+// [D/2, D)) and writes the float result to `dst`, in one pass.
+template <typename T>
+inline void rotate_into(const T* __restrict src, float* __restrict dst, const float* __restrict cs,
+                        int64_t d, bool neox) {
+  const int64_t half = d / 2;
+  const float* cosv = cs;
+  const float* sinv = cs + half;
+  if (neox) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = static_cast<float>(src[i]), b = static_cast<float>(src[i + half]);
+      dst[i] = a * cosv[i] - b * sinv[i];
+      dst[i + half] = b * cosv[i] + a * sinv[i];
+    }
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = static_cast<float>(src[2 * i]), b = static_cast<float>(src[2 * i + 1]);
+      dst[2 * i] = a * cosv[i] - b * sinv[i];
+      dst[2 * i + 1] = b * cosv[i] + a * sinv[i];
+    }
+  }
+}
+
+// Rotates x (D floats) in place with a cos/sin row.
 inline void rotate(float* __restrict x, const float* __restrict cs, int64_t d, bool neox) {
   const int64_t half = d / 2;
   const float* cosv = cs;
@@ -68,10 +93,7 @@ inline float exp_nonpositive(float x) {
       1.f + f * (0.69314718f +
                  f * (0.24022652f +
                       f * (0.05550411f + f * (0.00961813f + f * (0.00133336f + f * 0.00015404f)))));
-  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return p * std::bit_cast<float>((static_cast<int32_t>(fi) + 127) << 23);
 }
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
@@ -214,12 +236,19 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
     const int32_t first = m.first[meta_row + j];
     for (int32_t c0 = v0; c0 < v1; c0 += KEY_CHUNK) {
       const int64_t n = std::min<int64_t>(KEY_CHUNK, v1 - c0);
+      const int64_t chunk_off = blk * cb + c0 * cs + static_cast<int64_t>(w.kv_head) * ch;
+      const float* cs_chunk = cos_sin + static_cast<int64_t>(first + c0 - v0) * cs_stride;
       for (int64_t c = 0; c < n; ++c) {
-        const int64_t off = blk * cb + (c0 + c) * cs + static_cast<int64_t>(w.kv_head) * ch;
-        load_row(k_ptr + off, kb + c * d, d);
-        rotate(kb + c * d, cos_sin + static_cast<int64_t>(first + c0 + c - v0) * cs_stride, d,
-               neox);
-        load_row(v_ptr + off, vb + c * d, d);
+        rotate_into(k_ptr + chunk_off + c * cs, kb + c * d, cs_chunk + c * cs_stride, d, neox);
+      }
+      // Value rows: read in place when the cache is float32, converted once per chunk otherwise.
+      const float* vrows = vb;
+      int64_t v_stride = d;
+      if constexpr (std::is_same_v<KT, float>) {
+        vrows = v_ptr + chunk_off;
+        v_stride = cs;
+      } else {
+        for (int64_t c = 0; c < n; ++c) load_row(v_ptr + chunk_off + c * cs, vb + c * d, d);
       }
       for (int64_t r = 0; r < padded; r += 4) {
         float* s0 = s + r * KEY_CHUNK;
@@ -263,7 +292,7 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
         for (int64_t c = 0; c < reach; ++c) {
           const float p[4] = {s[r * KEY_CHUNK + c], s[(r + 1) * KEY_CHUNK + c],
                               s[(r + 2) * KEY_CHUNK + c], s[(r + 3) * KEY_CHUNK + c]};
-          axpy4(p, vb + c * d, out_rows + r * d, out_rows + (r + 1) * d,
+          axpy4(p, vrows + c * v_stride, out_rows + r * d, out_rows + (r + 1) * d,
                 out_rows + (r + 2) * d, out_rows + (r + 3) * d, d);
         }
       }

@@ -90,11 +90,31 @@ def test_pad_slots_may_hold_nan(decode):
     torch.testing.assert_close(run(b), want)
 
 
-def test_dispatch_runs_the_kernel(monkeypatch):
-    b = random_batch(7, 16, 4, 2)
+def test_dispatch_runs_the_kernel_for_decode_steps(monkeypatch):
+    """By default decode steps take the kernel and steps with prefill the reference."""
+    calls = []
+    real = cpu_kernel.rope_paged_attention_cpu
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    def attend(b):
+        return rope_paged_attention(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+
+    decode = random_batch(7, 16, 4, 2, decode=True)
+    want = run(decode)
+    monkeypatch.setattr(cpu_kernel, "rope_paged_attention_cpu", counted)
     monkeypatch.delenv("ASCEND_MEPIC_ATTN_IMPL", raising=False)
-    out = rope_paged_attention(b.query, b.kv_cache, b.meta, b.rope, b.scale)
-    torch.testing.assert_close(out, run(b))
+    torch.testing.assert_close(attend(decode), want)
+    assert len(calls) == 1
+    prefill = random_batch(8, 16, 4, 2)
+    assert prefill.meta.max_query_len > 1
+    attend(prefill)
+    assert len(calls) == 1
+    monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", "cpu")  # forced: the kernel for every step
+    check(attend(prefill), prefill, 1e-5)
+    assert len(calls) == 2
 
 
 def test_rejects_other_dtypes():
