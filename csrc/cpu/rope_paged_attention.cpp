@@ -60,27 +60,6 @@ inline void rotate_into(const T* __restrict src, float* __restrict dst, const fl
   }
 }
 
-// Rotates x (D floats) in place with a cos/sin row.
-inline void rotate(float* __restrict x, const float* __restrict cs, int64_t d, bool neox) {
-  const int64_t half = d / 2;
-  const float* cosv = cs;
-  const float* sinv = cs + half;
-  if (neox) {
-#pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = x[i], b = x[i + half];
-      x[i] = a * cosv[i] - b * sinv[i];
-      x[i + half] = b * cosv[i] + a * sinv[i];
-    }
-  } else {
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = x[2 * i], b = x[2 * i + 1];
-      x[2 * i] = a * cosv[i] - b * sinv[i];
-      x[2 * i + 1] = b * cosv[i] + a * sinv[i];
-    }
-  }
-}
-
 // exp(x) for x <= 0 (scores minus their running maximum), in a form the compiler vectorises
 // (libm's expf is a scalar call): 2^(x log2 e) = 2^i * 2^f with i the nearest integer, so
 // |f| <= 1/2, and 2^f by its degree-6 Taylor polynomial (relative error about 1e-7, float
@@ -215,8 +194,7 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
     const float* cs_row = cos_sin + static_cast<int64_t>(m.q_pos[t]) * cs_stride;
     for (int64_t g = 0; g < group; ++g) {
       float* row = q + (i * group + g) * d;
-      load_row(q_ptr + t * qs0 + (w.kv_head * group + g) * qs1, row, d);
-      rotate(row, cs_row, d, neox);
+      rotate_into(q_ptr + t * qs0 + (w.kv_head * group + g) * qs1, row, cs_row, d, neox);
 #pragma omp simd
       for (int64_t x = 0; x < d; ++x) row[x] *= scale;
     }
