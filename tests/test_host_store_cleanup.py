@@ -59,7 +59,11 @@ def _wait(proc: subprocess.Popen) -> int:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_owner_killed_by_signal_removes_its_store(tmp_path, signum):
     root = tmp_path / "store"
-    proc = _start_owner(root)
+    # The owner gets a foreground process's SIGINT disposition: a test run started in the
+    # background by a non-interactive shell passes SIGINT down ignored, and an ignored signal
+    # rightly stays ignored (the store then stays until a normal exit).
+    setup = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)"
+    proc = _start_owner(root, setup=setup)
     proc.send_signal(signum)
     assert _wait(proc) == -signum  # still dies of the signal, as it would have
     assert not root.exists()
