@@ -19,6 +19,7 @@ from ascend_mepic.worker import step
 from ascend_mepic.worker.attention import MepicAttentionMetadataBuilder
 from ascend_mepic.worker.model_runner import MepicRunnerMixin
 from ascend_mepic.worker.token_map import TokenMap
+from ascend_mepic.worker.token_pool import EntryTables, TokenMapPool
 
 BS = 16
 
@@ -62,8 +63,9 @@ def _builder() -> MepicAttentionMetadataBuilder:
 
 def _tables(num_reqs: int, num_tokens: int) -> step.StepInputs:
     idx = np.arange(num_tokens, dtype=np.int64)
-    blocks = [(np.array([0]), np.array([0]), np.array([BS]))] * num_reqs
-    return step.StepInputs(step.build_tables(num_tokens, idx, idx, blocks, torch.device("cpu")))
+    one = np.ones((num_reqs, 1), dtype=np.int32)
+    entries = EntryTables(one[:, 0], 0 * one, 0 * one, BS * one)
+    return step.StepInputs(step.build_tables(num_tokens, idx, idx, entries, torch.device("cpu")))
 
 
 def test_a_step_without_a_plan_is_refused():
@@ -114,7 +116,7 @@ def _new_request(req_id: str, num_tokens: int) -> NewRequestData:
 
 
 def _runner() -> types.SimpleNamespace:
-    return types.SimpleNamespace(mepic_block_size=BS, _token_maps={}, _blend={})
+    return types.SimpleNamespace(mepic_block_size=BS, _token_pool=TokenMapPool(BS))
 
 
 def test_runner_refuses_a_prompt_the_plan_does_not_describe():
@@ -122,7 +124,7 @@ def test_runner_refuses_a_prompt_the_plan_does_not_describe():
     plan = StepPlan(step=1, placements={"a": placement})
     runner = _runner()
     MepicRunnerMixin._take_placements(runner, plan, [_new_request("a", placement.num_in_context)])
-    assert isinstance(runner._token_maps["a"], TokenMap)
+    assert "a" in runner._token_pool
     with pytest.raises(StepPlanError, match="arrived with"):
         MepicRunnerMixin._take_placements(
             _runner(), plan, [_new_request("a", placement.num_in_context + 1)]

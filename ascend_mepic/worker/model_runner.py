@@ -35,6 +35,7 @@ from ascend_mepic.vllm_integration.runner import (
 from ascend_mepic.worker import blend, step
 from ascend_mepic.worker.step import StepInputs
 from ascend_mepic.worker.token_map import TokenMap
+from ascend_mepic.worker.token_pool import TokenMapPool
 
 
 class MepicRunnerMixin:
@@ -42,8 +43,7 @@ class MepicRunnerMixin:
 
     def _init_mepic(self, vllm_config) -> None:
         self.mepic_block_size = vllm_config.cache_config.block_size
-        self._token_maps: dict[str, TokenMap] = {}
-        self._blend: dict[str, tuple[float, int]] = {}  # request -> (ratio, check layer)
+        self._init_placement_state()
         self._plan: StepPlan | None = None
         self.mepic_blend_layer: int | None = None
         config = MepicConfig.from_additional_config(vllm_config.additional_config)
@@ -64,6 +64,10 @@ class MepicRunnerMixin:
                 raise ValueError(f"policy {policy.name!r} needs enforce_eager=True")
             self.mepic_blend_layer = policy.check_layer
 
+    def _init_placement_state(self) -> None:
+        """The token maps of live sequences (a pool row each; see ``token_pool``)."""
+        self._token_pool = TokenMapPool(self.mepic_block_size)
+
     def mepic_kv_buffers(self) -> list[torch.Tensor]:
         """Per-layer KV buffers, block-major (``[num_blocks, ...]``, each block's K then V), as
         ``tier.transfer`` reads them. vLLM's CPU and GPU runners allocate exactly that; the NPU
@@ -73,8 +77,7 @@ class MepicRunnerMixin:
     def _update_states(self, scheduler_output):
         """Take this step's plan: token maps of new sequences, then host and tier loads."""
         for req_id in scheduler_output.finished_req_ids:
-            self._token_maps.pop(req_id, None)
-            self._blend.pop(req_id, None)
+            self._token_pool.remove(req_id)
         plan = channel.receive(scheduler_output) if self.mepic_enabled else None
         self._plan = plan
         if plan is not None:
@@ -103,9 +106,9 @@ class MepicRunnerMixin:
                     f"step {plan.step}: request {req_id} arrived with {received} prompt tokens "
                     f"but its plan places {placement.num_in_context}"
                 )
-            self._token_maps[req_id] = TokenMap.from_placement(placement, self.mepic_block_size)
-            if placement.blend is not None:
-                self._blend[req_id] = placement.blend
+            tmap = TokenMap.from_placement(placement, self.mepic_block_size)
+            ratio = placement.blend[0] if placement.blend is not None else None
+            self._token_pool.add(req_id, tmap, ratio)
 
     def _move_chunks(self, moves: tuple[ChunkMove, ...]) -> None:
         """Copy relocated chunks' canonical tokens (sources stay untouched until the step ran,
@@ -207,44 +210,37 @@ class MepicRunnerMixin:
         return out
 
     def _place_tokens(self, num_tokens: int) -> None:
-        bs = self.mepic_block_size
+        """Rewrite positions and KV slots of mapped sequences and hand the step's tables to
+        the builders: once per step, as array operations over the whole batch."""
         num_reqs = self.input_batch.num_reqs
-        loc = self.query_start_loc.np[: num_reqs + 1]
-        index = self.positions[:num_tokens].cpu().numpy().astype(np.int64)
-        positions, padded = index.copy(), index.copy()
         table = self.input_batch.block_table[0]
-        check_block_table(table, bs)
-        blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        placed = False
-        blending: list[tuple[int, int, torch.Tensor, float]] = []
-        for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
-            a, b = int(loc[i]), int(loc[i + 1])
-            tmap = self._token_maps.get(req_id)
-            if tmap is None:
-                n = int(index[b - 1]) // bs + 1 if b > a else 0
-                j = np.arange(n, dtype=np.int64)
-                blocks.append((j * bs, np.zeros_like(j), np.full_like(j, bs)))
-                continue
-            if b == a:
-                blocks.append(tmap.blocks(0))
-                continue
-            placed = True
-            pad_idx, pos = tmap.lookup(index[a:b])
-            padded[a:b], positions[a:b] = pad_idx, pos
-            blocks.append(tmap.blocks(int(pad_idx.max()) // bs + 1))
-            if req_id in self._blend:
-                rows = np.nonzero(tmap.is_chunk_token(index[a:b]))[0] + a
-                if len(rows):
-                    blending.append((a, b, torch.from_numpy(rows), self._blend[req_id][0]))
-            block_ids = table.block_table.np[i, pad_idx // bs].astype(np.int64)
-            slots = torch.from_numpy(block_ids * bs + pad_idx % bs)
-            table.slot_mapping.gpu[a:b] = slots.to(table.slot_mapping.gpu.device)
-        if placed:
-            self.positions[:num_tokens] = torch.from_numpy(positions).to(self.positions.device)
-        tables = step.build_tables(num_tokens, positions, padded, blocks, self.device)
-        blend_step = (
-            blend.BlendStep(self.mepic_blend_layer, num_tokens, blending) if blending else None
+        check_block_table(table, self.mepic_block_size)
+        placed = step.place_step(
+            self._token_pool,
+            self.input_batch.req_ids[:num_reqs],
+            self.query_start_loc.np[: num_reqs + 1],
+            self.positions[:num_tokens].cpu().numpy().astype(np.int64),
+            table.block_table.np,
         )
+        if placed.any_mapped:
+            self.positions[:num_tokens] = torch.from_numpy(placed.positions).to(
+                self.positions.device
+            )
+            slot_mapping = table.slot_mapping.gpu
+            if placed.mapped.all():
+                slot_mapping[:num_tokens] = torch.from_numpy(placed.slots).to(slot_mapping.device)
+            else:
+                rows = np.flatnonzero(placed.mapped)
+                slot_mapping[torch.from_numpy(rows).to(slot_mapping.device)] = torch.from_numpy(
+                    placed.slots[rows]
+                ).to(slot_mapping.device)
+        tables = step.build_tables(
+            num_tokens, placed.positions, placed.padded, placed.entries, self.device
+        )
+        blend_step = None
+        if placed.blending:
+            blending = [(a, b, torch.from_numpy(r), ratio) for a, b, r, ratio in placed.blending]
+            blend_step = blend.BlendStep(self.mepic_blend_layer, num_tokens, blending)
         hand_step_tables(self, StepInputs(tables, blend_step))
 
     def load_model(self, *args, **kwargs):

@@ -17,6 +17,7 @@ import torch
 
 from ascend_mepic.ops import PagedRopeMetadata
 from ascend_mepic.vllm_integration.channel import StepPlanError
+from ascend_mepic.worker.token_pool import PLAIN_ROW, EntryTables, TokenMapPool
 
 
 @dataclass(frozen=True)
@@ -94,34 +95,86 @@ def plain_metadata(
     )
 
 
+@dataclass(frozen=True)
+class PlacedStep:
+    """Where the step's tokens go, computed once per step for every layer."""
+
+    positions: np.ndarray  # [T] logical positions
+    padded: np.ndarray  # [T] padded indices
+    mapped: np.ndarray  # [T] bool: tokens of sequences with a token map (vLLM's values differ)
+    slots: np.ndarray  # [T] KV slot of each token
+    entries: EntryTables
+    # CacheBlend: per sequence with chunk tokens in the step, (first row, last row + 1,
+    # candidate rows, ratio).
+    blending: list[tuple[int, int, np.ndarray, float]]
+
+    @property
+    def any_mapped(self) -> bool:
+        return bool(self.mapped.any())
+
+
+def place_step(
+    pool: TokenMapPool,
+    req_ids: list[str],
+    query_start_loc: np.ndarray,
+    index: np.ndarray,
+    block_table: np.ndarray,
+) -> PlacedStep:
+    """Place a step's tokens: ``index`` numbers each token within its sequence (vLLM's
+    positions), sequence ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]`` and has
+    block-table row ``block_table[i]``. Array operations only: its cost is a few gathers whatever
+    the number of sequences (only CacheBlend's prefilling sequences are listed one by one)."""
+    bs = pool.block_size
+    rows = pool.rows(req_ids)
+    counts = np.diff(query_start_loc)
+    token_req = np.repeat(np.arange(len(req_ids)), counts)
+    token_rows = rows[token_req]
+    places = pool.place(token_rows, index)
+    padded = places.padded
+    num_blocks = np.zeros(len(req_ids), dtype=np.int64)
+    scheduled = counts > 0
+    if scheduled.any():
+        starts = query_start_loc[:-1][scheduled]
+        num_blocks[scheduled] = np.maximum.reduceat(padded, starts) // bs + 1
+    slots = block_table[token_req, padded // bs].astype(np.int64) * bs + padded % bs
+    blending: list[tuple[int, int, np.ndarray, float]] = []
+    if places.blend_candidate is not None and places.blend_candidate.any():
+        candidates = np.flatnonzero(places.blend_candidate)
+        owners = token_req[candidates]
+        firsts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
+        for group, first in zip(np.split(candidates, firsts[1:]), firsts, strict=True):
+            i = int(owners[first])
+            a, b = int(query_start_loc[i]), int(query_start_loc[i + 1])
+            blending.append((a, b, group, float(pool.blend_ratio[rows[i]])))
+    return PlacedStep(
+        positions=places.position,
+        padded=padded,
+        mapped=token_rows != PLAIN_ROW,
+        slots=slots,
+        entries=pool.entries(rows, num_blocks),
+        blending=blending,
+    )
+
+
 def build_tables(
     num_tokens: int,
     positions: np.ndarray,
     padded: np.ndarray,
-    per_request_blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    entries: EntryTables,
     device: torch.device,
 ) -> StepTables:
-    """Pack per-request block tables (ragged) into padded tensors."""
-    num_reqs = len(per_request_blocks)
-    max_blocks = max(1, max(len(f) for f, _, _ in per_request_blocks))
-    first = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-    vstart = np.zeros_like(first)
-    vend = np.zeros_like(first)
-    nblocks = np.zeros(num_reqs, dtype=np.int32)
-    for i, (f, s, e) in enumerate(per_request_blocks):
-        n = len(f)
-        first[i, :n], vstart[i, :n], vend[i, :n], nblocks[i] = f, s, e, n
+    """The step's tables as the attention builders take them."""
 
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
 
     return StepTables(
-        num_reqs,
+        len(entries.num_blocks),
         num_tokens,
         t(positions),
         t(padded),
-        t(nblocks),
-        t(first),
-        t(vstart),
-        t(vend),
+        t(entries.num_blocks),
+        t(entries.first_pos),
+        t(entries.valid_start),
+        t(entries.valid_end),
     )

@@ -6,8 +6,9 @@ the request's ``SequencePlacement`` (segment lengths, and for the packed layout 
 private token count and start slot); a chunk compile arrives as the chunk's tokens with a compile
 placement. vLLM's runner numbers a request's tokens 0, 1, 2, ... ; a ``TokenMap`` turns those
 numbers into layout indices (entry * B + slot: the KV slot and the causal order) and logical
-positions (RoPE), and gives the per-entry position table. Decode tokens continue after the
-prompt. Plain requests need no map (index = position).
+positions (RoPE), and gives the per-entry position table of its layout. Decode tokens continue
+after the prompt (``token_pool`` extends the tables past the layout). Plain requests need no map
+(index = position).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class TokenMap:
     first_pos: np.ndarray  # [layout blocks]
     valid_start: np.ndarray
     valid_end: np.ndarray
-    chunk_position: np.ndarray  # [real_len] True where the logical position is a chunk token
+    in_chunk: np.ndarray  # [n] True where in-context token i is a chunk token (CacheBlend)
 
     @classmethod
     def from_placement(cls, placement: SequencePlacement, block_size: int) -> TokenMap:
@@ -52,7 +53,7 @@ class TokenMap:
             )
         positions = np.asarray(layout.slot_positions(), dtype=np.int64)
         padded = np.asarray(slots, dtype=np.int64)
-        chunk_position = np.zeros(layout.num_real_tokens, dtype=bool)
+        chunk_position = np.zeros(layout.num_real_tokens, dtype=bool)  # by logical position
         for span in layout.chunk_spans:
             chunk_position[span.first_position : span.first_position + span.num_tokens] = True
         valid_end = np.asarray([b.valid_end for b in layout.blocks], dtype=np.int64)
@@ -67,42 +68,9 @@ class TokenMap:
             first_pos=np.asarray([b.first_position for b in layout.blocks], dtype=np.int64),
             valid_start=np.asarray([b.valid_start for b in layout.blocks], dtype=np.int64),
             valid_end=valid_end,
-            chunk_position=chunk_position,
+            in_chunk=chunk_position[positions[padded]],
         )
-
-    def is_chunk_token(self, index: np.ndarray) -> np.ndarray:
-        """Whether the request's tokens number ``index`` are chunk tokens (not prompt/decode)."""
-        inside = index < self.num_in_context
-        position = self.position[np.minimum(index, self.num_in_context - 1)]
-        return inside & self.chunk_position[position]
 
     @property
     def num_in_context(self) -> int:
         return len(self.padded)
-
-    def lookup(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(padded index, logical position) of the request's tokens number ``index``."""
-        n = self.num_in_context
-        inside = index < n
-        clipped = np.minimum(index, n - 1)
-        extra = index - n
-        padded = np.where(inside, self.padded[clipped], self.padded_len + extra)
-        position = np.where(inside, self.position[clipped], self.real_len + extra)
-        return padded, position
-
-    def blocks(self, num_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(first position, valid start, valid end) for the first ``num_blocks`` table entries."""
-        n = len(self.first_pos)
-        if num_blocks <= n:
-            return (
-                self.first_pos[:num_blocks],
-                self.valid_start[:num_blocks],
-                self.valid_end[:num_blocks],
-            )
-        j = np.arange(n, num_blocks, dtype=np.int64)
-        extra_first = self.real_len + j * self.block_size - self.padded_len
-        return (
-            np.concatenate([self.first_pos, extra_first]),
-            np.concatenate([self.valid_start, np.zeros_like(j)]),
-            np.concatenate([self.valid_end, np.full_like(j, self.block_size)]),
-        )
