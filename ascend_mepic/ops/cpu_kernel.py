@@ -53,7 +53,7 @@ def load(verbose: bool = False) -> bool:
                 "-O3",
                 "-march=native",
                 "-mprefer-vector-width=256",
-                "-fopenmp-simd",
+                "-fopenmp",
                 "-fno-math-errno",
             ],
             build_directory=str(directory),

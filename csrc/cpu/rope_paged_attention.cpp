@@ -5,7 +5,7 @@
 // the paged cache (through the cache's strides), rotated in a small per-thread buffer at its
 // logical position and consumed at once by an online softmax; nothing rotated is written back.
 //
-// Work items (at::parallel_for): (sequence, KV head, query tile, KV split). A tile holds up to
+// Work items (an OpenMP loop on torch's threads): (sequence, KV head, query tile, KV split). A tile holds up to
 // QUERY_TILE queries of one sequence; its rows are those queries times the GQA group sharing the
 // KV head, so each K/V row is read and rotated once per tile. Decode (one query per sequence)
 // splits a sequence's block table into ranges when there are fewer (sequence, KV head) items
@@ -15,6 +15,7 @@
 // inner loops are written for the compiler's vectoriser (-O3 -march=native -fopenmp-simd).
 
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -24,6 +25,10 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -127,6 +132,14 @@ std::vector<WorkItem> plan_work(const Meta& m, int64_t hkv, int64_t splits) {
   return work;
 }
 
+// Rough cost of an item, for ordering: its queries times the keys the last of them can see.
+inline int64_t work_cost(const WorkItem& w, const Meta& m) {
+  const int64_t last_key = static_cast<int64_t>(m.q_idx[w.q_end - 1]) + 1;
+  const int64_t keys = std::min<int64_t>(last_key, static_cast<int64_t>(w.entry_end) * m.block_size) -
+                       static_cast<int64_t>(w.entry_begin) * m.block_size;
+  return (w.q_end - w.q_begin) * std::max<int64_t>(keys, 0);
+}
+
 constexpr int64_t KEY_CHUNK = 64;
 
 // Scratch of one thread: rotated queries, a chunk of rotated keys and of values (row-major),
@@ -137,42 +150,91 @@ struct Scratch {
       : q(rows * d), k(KEY_CHUNK * d), v(KEY_CHUNK * d), s(rows * KEY_CHUNK) {}
 };
 
-// Scores of four rows against one key in one pass over the key (the key is read once).
-inline void dot4(const float* __restrict q0, const float* __restrict q1,
-                 const float* __restrict q2, const float* __restrict q3,
-                 const float* __restrict k, int64_t d, float* out) {
-  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-  for (int64_t x = 0; x < d; ++x) {
-    const float kx = k[x];
-    a0 += q0[x] * kx;
-    a1 += q1[x] * kx;
-    a2 += q2[x] * kx;
-    a3 += q3[x] * kx;
-  }
-  out[0] = a0;
-  out[1] = a1;
-  out[2] = a2;
-  out[3] = a3;
+// Score and P.V micro-kernels. Each works on a tile of ROWS rows (queries times the GQA group
+// sharing the KV head, padded with zero rows), so every rotated key and every value row loaded
+// into registers serves all the tile's rows: the small-GEMM tiling vLLM's CPU kernels use.
+constexpr int64_t ROWS = 3;
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define MEPIC_CPU_AVX2 1
+
+// Sums of four vectors, one float each: [sum a, sum b, sum c, sum d].
+inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// acc_i += p_i * v for four rows (v is read once).
-inline void axpy4(const float* p, const float* __restrict v, float* __restrict a0,
-                  float* __restrict a1, float* __restrict a2, float* __restrict a3, int64_t d) {
-  const float p0 = p[0], p1 = p[1], p2 = p[2], p3 = p[3];
-#pragma omp simd
-  for (int64_t x = 0; x < d; ++x) {
-    const float vx = v[x];
-    a0[x] += p0 * vx;
-    a1[x] += p1 * vx;
-    a2[x] += p2 * vx;
-    a3[x] += p3 * vx;
+// s[r][c] = q[r] . k[c] for ROWS rows and keys [0, n), n rounded up to 4 (k rows beyond n are
+// zero). q rows and k rows are d floats apart, d a multiple of 8.
+inline void score_tile(const float* __restrict q, const float* __restrict k, int64_t n,
+                       int64_t d, float* __restrict s) {
+  for (int64_t c = 0; c < n; c += 4) {
+    __m256 acc[ROWS][4];
+    for (int r = 0; r < ROWS; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+    const float* kc = k + c * d;
+    for (int64_t x = 0; x < d; x += 8) {
+      const __m256 k0 = _mm256_loadu_ps(kc + x), k1 = _mm256_loadu_ps(kc + d + x),
+                   k2 = _mm256_loadu_ps(kc + 2 * d + x), k3 = _mm256_loadu_ps(kc + 3 * d + x);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 qr = _mm256_loadu_ps(q + r * d + x);
+        acc[r][0] = _mm256_fmadd_ps(qr, k0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(qr, k1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(qr, k2, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(qr, k3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r)
+      _mm_storeu_ps(s + r * KEY_CHUNK + c, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
   }
+}
+
+// acc[r] += sum_c p[r][c] * v[c] for ROWS rows over keys [0, n); v rows are v_stride apart.
+// The head dimension goes 32 floats at a time (8 when d is not a multiple of 32), with the
+// tile's accumulators in registers across all n keys.
+template <int W>
+inline void pv_slice(const float* __restrict p, const float* __restrict v, int64_t v_stride,
+                     int64_t n, int64_t d, int64_t x0, float* __restrict acc_rows) {
+  __m256 acc[ROWS][W];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < W; ++j) acc[r][j] = _mm256_loadu_ps(acc_rows + r * d + x0 + 8 * j);
+  for (int64_t c = 0; c < n; ++c) {
+    __m256 vv[W];
+    for (int j = 0; j < W; ++j) vv[j] = _mm256_loadu_ps(v + c * v_stride + x0 + 8 * j);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 pr = _mm256_broadcast_ss(p + r * KEY_CHUNK + c);
+      for (int j = 0; j < W; ++j) acc[r][j] = _mm256_fmadd_ps(pr, vv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < W; ++j) _mm256_storeu_ps(acc_rows + r * d + x0 + 8 * j, acc[r][j]);
+}
+
+inline void pv_tile(const float* p, const float* v, int64_t v_stride, int64_t n, int64_t d,
+                    float* acc_rows) {
+  int64_t x0 = 0;
+  for (; x0 + 32 <= d; x0 += 32) pv_slice<4>(p, v, v_stride, n, d, x0, acc_rows);
+  for (; x0 < d; x0 += 8) pv_slice<1>(p, v, v_stride, n, d, x0, acc_rows);
+}
+#endif
+
+// Portable versions (any head size, any ISA the compiler vectorises for).
+inline void score_tile_generic(const float* __restrict q, const float* __restrict k, int64_t n,
+                               int64_t d, float* __restrict s) {
+  for (int64_t c = 0; c < n; ++c)
+    for (int r = 0; r < ROWS; ++r) s[r * KEY_CHUNK + c] = dot(q + r * d, k + c * d, d);
+}
+
+inline void pv_tile_generic(const float* p, const float* v, int64_t v_stride, int64_t n,
+                            int64_t d, float* acc_rows) {
+  for (int64_t c = 0; c < n; ++c)
+    for (int r = 0; r < ROWS; ++r) axpy(p[r * KEY_CHUNK + c], v + c * v_stride, acc_rows + r * d, d);
 }
 
 // One work item: online softmax of its rows over block-table entries [entry_begin, entry_end),
-// KEY_CHUNK keys at a time. Rows go four at a time through the scores and P.V, so each rotated
-// key and each value row is read once per four rows.
+// KEY_CHUNK keys at a time: the chunk's keys are rotated into scratch, scored against every row
+// tile, the softmax updated per row, and the values accumulated per row tile.
 template <typename QT, typename KT>
 void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const KT* k_ptr,
             const KT* v_ptr, int64_t cb, int64_t cs, int64_t ch, const Meta& m,
@@ -180,8 +242,13 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
             int64_t d, Scratch& sc, float* out_rows, float* row_max, float* row_sum) {
   const int64_t nq = w.q_end - w.q_begin;
   const int64_t rows = nq * group;
-  const int64_t padded = (rows + 3) / 4 * 4;  // rows beyond `rows` are zero and ignored
+  const int64_t padded = (rows + ROWS - 1) / ROWS * ROWS;  // rows beyond `rows` are zero
   const int64_t bs = m.block_size;
+#ifdef MEPIC_CPU_AVX2
+  const bool tiled = d % 8 == 0;
+#else
+  const bool tiled = false;
+#endif
   float* q = sc.q.data();
   float* kb = sc.k.data();
   float* vb = sc.v.data();
@@ -214,11 +281,13 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
     const int32_t first = m.first[meta_row + j];
     for (int32_t c0 = v0; c0 < v1; c0 += KEY_CHUNK) {
       const int64_t n = std::min<int64_t>(KEY_CHUNK, v1 - c0);
+      const int64_t n4 = (n + 3) / 4 * 4;
       const int64_t chunk_off = blk * cb + c0 * cs + static_cast<int64_t>(w.kv_head) * ch;
       const float* cs_chunk = cos_sin + static_cast<int64_t>(first + c0 - v0) * cs_stride;
       for (int64_t c = 0; c < n; ++c) {
         rotate_into(k_ptr + chunk_off + c * cs, kb + c * d, cs_chunk + c * cs_stride, d, neox);
       }
+      std::fill(kb + n * d, kb + n4 * d, 0.f);
       // Value rows: read in place when the cache is float32, converted once per chunk otherwise.
       const float* vrows = vb;
       int64_t v_stride = d;
@@ -228,13 +297,14 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
       } else {
         for (int64_t c = 0; c < n; ++c) load_row(v_ptr + chunk_off + c * cs, vb + c * d, d);
       }
-      for (int64_t r = 0; r < padded; r += 4) {
-        float* s0 = s + r * KEY_CHUNK;
-        for (int64_t c = 0; c < n; ++c) {
-          float out[4];
-          dot4(q + r * d, q + (r + 1) * d, q + (r + 2) * d, q + (r + 3) * d, kb + c * d, d, out);
-          for (int64_t u = 0; u < 4; ++u) s0[u * KEY_CHUNK + c] = out[u];
+      for (int64_t r = 0; r < padded; r += ROWS) {
+#ifdef MEPIC_CPU_AVX2
+        if (tiled) {
+          score_tile(q + r * d, kb, n4, d, s + r * KEY_CHUNK);
+          continue;
         }
+#endif
+        score_tile_generic(q + r * d, kb, n, d, s + r * KEY_CHUNK);
       }
       // Online softmax per row; causal in layout order (keys after the row's query hidden).
       for (int64_t r = 0; r < padded; ++r) {
@@ -247,6 +317,7 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
           continue;
         }
         float mx = NEG_INF;
+#pragma omp simd reduction(max : mx)
         for (int64_t c = 0; c < vis; ++c) mx = std::max(mx, sr[c]);
         const float new_max = std::max(row_max[r], mx);
         const float alpha = std::exp(row_max[r] - new_max);  // 0 on the row's first keys
@@ -265,14 +336,17 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
         row_sum[r] = row_sum[r] * alpha + total;
         row_max[r] = new_max;
       }
-      for (int64_t r = 0; r < padded; r += 4) {
-        const int64_t reach = std::max({visible[r], visible[r + 1], visible[r + 2], visible[r + 3]});
-        for (int64_t c = 0; c < reach; ++c) {
-          const float p[4] = {s[r * KEY_CHUNK + c], s[(r + 1) * KEY_CHUNK + c],
-                              s[(r + 2) * KEY_CHUNK + c], s[(r + 3) * KEY_CHUNK + c]};
-          axpy4(p, vrows + c * v_stride, out_rows + r * d, out_rows + (r + 1) * d,
-                out_rows + (r + 2) * d, out_rows + (r + 3) * d, d);
+      for (int64_t r = 0; r < padded; r += ROWS) {
+        int64_t reach = 0;
+        for (int64_t u = 0; u < ROWS; ++u) reach = std::max(reach, visible[r + u]);
+        if (reach == 0) continue;
+#ifdef MEPIC_CPU_AVX2
+        if (tiled) {
+          pv_tile(s + r * KEY_CHUNK, vrows, v_stride, reach, d, out_rows + r * d);
+          continue;
         }
+#endif
+        pv_tile_generic(s + r * KEY_CHUNK, vrows, v_stride, reach, d, out_rows + r * d);
       }
     }
   }
@@ -295,17 +369,28 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
 
   const std::vector<WorkItem> work = plan_work(m, hkv, splits);
   const int64_t n = static_cast<int64_t>(work.size());
-  const int64_t max_rows = (QUERY_TILE * group + 3) / 4 * 4;
+  const int64_t max_rows = (QUERY_TILE * group + ROWS - 1) / ROWS * ROWS;
   // Per work item: its rows' outputs (unnormalised), maxima and sums, merged below.
   std::vector<float> acc(n * max_rows * d), mx(n * max_rows), sm(n * max_rows);
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  // Items run largest first and are handed out one at a time, so causal prefill tiles (whose
+  // cost grows with their position) and uneven sequences spread evenly over the threads.
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return work_cost(work[a], m) > work_cost(work[b], m);
+  });
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n)));
+#pragma omp parallel num_threads(threads)
+  {
     Scratch scratch(max_rows, d);
-    for (int64_t i = begin; i < end; ++i) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t o = 0; o < n; ++o) {
+      const int64_t i = order[o];
       attend<QT, KT>(work[i], q_ptr, qs0, qs1, k_ptr, v_ptr, cb, cs, ch, m, cos_sin, cs_stride,
                      neox, scale, group, d, scratch, acc.data() + i * max_rows * d,
                      mx.data() + i * max_rows, sm.data() + i * max_rows);
     }
-  });
+  }
   // Merge: items of one (sequence, KV head, tile) differ only by split and are adjacent.
   std::vector<float> row(d);
   for (int64_t i = 0; i < n;) {

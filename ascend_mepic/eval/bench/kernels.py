@@ -26,7 +26,7 @@ import torch
 
 from ascend_mepic.ops import cpu_kernel
 from ascend_mepic.ops.metadata import PagedRopeMetadata
-from ascend_mepic.ops.reference import write_kv
+from ascend_mepic.ops.reference import rope_paged_attention_reference, write_kv
 from ascend_mepic.ops.rope import RopeSpec, default_cos_sin_cache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -127,6 +127,12 @@ class Case:
             self.query, self.mepic_cache, self.meta, self.rope, self.scale
         )
 
+    def run_reference(self) -> torch.Tensor:
+        """The torch reference on the same inputs: the oracle, and the CPU path without a kernel."""
+        return rope_paged_attention_reference(
+            self.query, self.mepic_cache, self.meta, self.rope, self.scale
+        )
+
 
 def _time(fn, repeats: int) -> float:
     fn()  # warm-up
@@ -148,6 +154,7 @@ def run(
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
     threads: int | None = None,
     repeats: int = 5,
+    with_reference: bool = True,
 ) -> dict[str, Any]:
     if not cpu_kernel.load():
         raise RuntimeError("MEPIC's native CPU kernel is not available (see the logged error)")
@@ -164,10 +171,12 @@ def run(
                 raise AssertionError(f"{kind} {name}: MEPIC and vLLM differ by {diff:.3g}")
             vllm_s = _time(case.run_vllm, repeats)
             mepic_s = _time(case.run_mepic, repeats)
+            reference_s = _time(case.run_reference, repeats) if with_reference else None
             results[f"{kind}/{name}"] = {
                 "vllm_s": vllm_s,
                 "mepic_s": mepic_s,
                 "ratio": vllm_s / mepic_s,
+                "reference_s": reference_s,
                 "max_abs_diff": diff,
                 "vllm_isa": case.isa,
                 "sequences": seqs,
@@ -203,6 +212,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         dtypes=tuple(args.dtypes),
         threads=args.threads,
         repeats=args.repeats,
+        with_reference=not args.no_reference,
     )
     text = json.dumps(report, indent=2)
     if args.json:
@@ -223,4 +233,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--no-reference", action="store_true", help="skip timing the torch reference (slow)"
+    )
     p.set_defaults(func=cmd_kernels)
