@@ -206,12 +206,8 @@ class Admission:
         offsets = [
             reused[sp.segment].offset if sp.segment in reused else 0 for sp in layout.chunk_spans
         ]
-        st.set_layout(build_packed_layout(layout.segments, bs, st.private_tokens, offsets))
+        st.set_packed_layout(build_packed_layout(layout.segments, bs, st.private_tokens, offsets))
         layout = st.layout
-        st.roles = [
-            BlockRole.SHARED if spec.kind is BlockKind.CHUNK_SHARED else BlockRole.PRIVATE
-            for spec in layout.blocks
-        ]
         table = self._packed_table(st, reused)
         install_block_table(self.tables, request.request_id, table, 0)
         set_num_cached_blocks(self.tables, request.request_id, n_hit)

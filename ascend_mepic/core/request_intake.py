@@ -10,7 +10,7 @@ and returns the ``RequestState`` the rest of the manager works from.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,8 +56,11 @@ class RequestState:
     chunk_ids: dict[int, ChunkId | None]  # chunk segment -> identity; None if not cached
     roles: list[BlockRole]  # per layout block
     placement: SequencePlacement  # what the worker needs to place its tokens
-    compact_slots: list[int] = field(default_factory=list)  # layout index of in-context token i
-    compact_before: list[int] = field(default_factory=list)  # in-context tokens before entry i
+    num_in_context: int = 0  # tokens computed in the request's context (packed: private stream)
+    # Private placement (padded layout) only: layout index of in-context token i, and in-context
+    # tokens before entry i.
+    compact_slots: list[int] = field(default_factory=list)
+    compact_before: list[int] = field(default_factory=list)
     entries: list[ChunkEntry] = field(default_factory=list)  # acquired, one per occurrence
     scratch: list[KVCacheBlock] = field(default_factory=list)
     plan: RequestPlan | None = None
@@ -71,24 +74,19 @@ class RequestState:
     # tokens, first slot): the chunk tokens of each entry, copied before the forward pass.
     host_runs: list[tuple[int, ChunkId, int, int, int]] = field(default_factory=list)
 
-    def set_layout(self, layout: Layout) -> None:
-        """(Re)lay the request out: a packed layout is final only once its chunks are placed."""
+    def set_packed_layout(self, layout: Layout) -> None:
+        """(Re)lay a packed request out, final once its chunks are placed: the layout and its
+        block roles. Its private stream is dense, so no per-slot map is needed."""
         self.layout = layout
-        self.compact_slots = layout.in_context_slots()
-        before = [0] * (layout.num_blocks + 1)
-        for slot in self.compact_slots:
-            before[slot // layout.block_size + 1] += 1
-        for i in range(layout.num_blocks):
-            before[i + 1] += before[i]
-        self.compact_before = before
+        self.num_in_context = layout.num_in_context()
+        self.roles = [
+            BlockRole.SHARED if spec.kind is BlockKind.CHUNK_SHARED else BlockRole.PRIVATE
+            for spec in layout.blocks
+        ]
 
     @property
     def allocated(self) -> bool:
         return self.plan is not None
-
-    @property
-    def num_in_context(self) -> int:
-        return len(self.compact_slots)
 
     def padded_end(self, num_tokens: int) -> int:
         """Layout length covering the request's first ``num_tokens`` (in-context, then decode)."""
@@ -99,24 +97,38 @@ class RequestState:
         return self.layout.num_padded_tokens + num_tokens - self.num_in_context
 
 
+def num_plain_blocks(layout: Layout) -> int:
+    """Leading blocks that lie wholly in a first prompt segment.
+
+    Both layouts put those tokens at the same slots as the unsegmented prompt, and their KV
+    depends on nothing but those tokens (every policy computes them in context), so vLLM's own
+    hashes of the request's blocks name them: they are reused rather than hashed again, and a
+    request without chunks shares them.
+    """
+    first = layout.segments[0]
+    return len(first.token_ids) // layout.block_size if first.kind is SegmentKind.PROMPT else 0
+
+
 def mepic_block_hashes(
     layout: Layout,
     padded_token_ids: list[int],
     hash_fn: Callable[[Any], bytes],
     cache_salt: str | None,
     policy: str = "mepic",
+    leading: Sequence[BlockHash] = (),
 ) -> list[BlockHash]:
     """Private placement: prefix-chained hashes of the layout's full blocks, with a layout key
-    (policy, entry kind and valid range) on every block.
+    (policy, entry kind and valid range) on every block after the ``leading`` ones (vLLM's
+    hashes of the first ``num_plain_blocks``, reused as they are).
 
     Only blocks before the first chunk are ever inserted (``Admission.cache_private``: the
     baselines' systems do not combine chunk KV with prefix caching), so those blocks hold prompt
     tokens only and their KV depends on nothing but the chain.
     """
     bs = layout.block_size
-    hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for spec in layout.blocks[: len(padded_token_ids) // bs]:
+    hashes: list[BlockHash] = list(leading)
+    parent: BlockHash | None = hashes[-1] if hashes else None
+    for spec in layout.blocks[len(hashes) : len(padded_token_ids) // bs]:
         extra: tuple[Any, ...] = (policy, spec.kind.value, spec.valid_start, spec.valid_end)
         if spec.index == 0 and cache_salt:
             extra = (cache_salt, *extra)
@@ -132,16 +144,22 @@ def packed_block_hashes(
     hash_fn: Callable[[Any], bytes],
     cache_salt: str | None,
     policy: str,
+    leading: Sequence[BlockHash] = (),
+    stream: list[int] | None = None,
 ) -> list[BlockHash]:
     """Prefix-chained hashes of a packed layout's full private blocks.
 
     A private block's KV depends on every real token before its last one, including the chunks'
     canonical tokens between private runs; those are named by chunk identity. So each hash chains
-    the block's tokens with the segments that start before the block ends (kind, length, private
-    tokens, chunk identity), beside the policy (and the salt on the first block).
+    the block's tokens with the segments that start before the block ends and were not named
+    yet (kind, length, private tokens, chunk identity), beside the policy (and the salt on the
+    first block). The ``leading`` blocks (vLLM's hashes of the first ``num_plain_blocks``) are
+    reused as they are; the first segment is then named by the first block hashed here.
+    ``stream``: the private stream, when the caller has it.
     """
     bs = layout.block_size
-    stream = layout.private_token_ids()
+    if stream is None:
+        stream = layout.private_token_ids()
     starts: list[tuple[int, tuple[Any, ...]]] = []  # (stream index, segment signature)
     done = 0
     for span in layout.spans:
@@ -150,10 +168,10 @@ def packed_block_hashes(
                     chunk_ids.get(span.segment) if span.kind is SegmentKind.CHUNK else None))
         )  # fmt: skip
         done += span.num_tokens if span.kind is SegmentKind.PROMPT else span.private_tokens
-    hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
+    hashes: list[BlockHash] = list(leading)
+    parent: BlockHash | None = hashes[-1] if hashes else None
     seen = 0
-    for p in range(len(stream) // bs):
+    for p in range(len(hashes), len(stream) // bs):
         new: list[tuple[Any, ...]] = []
         while seen < len(starts) and starts[seen][0] < (p + 1) * bs:
             new.append(starts[seen][1])
@@ -274,27 +292,34 @@ class RequestIntake:
         private tokens, in order; everything else is the chunk cache's."""
         extra = request.sampling_params.extra_args
         policy = self.settings.policy
-        set_prompt(request, layout.private_token_ids())
+        leading = self._leading_hashes(request, layout)  # before set_prompt replaces them
+        stream = layout.private_token_ids()
+        set_prompt(request, stream)
         set_block_hashes(
             request,
-            packed_block_hashes(layout, chunk_ids, self.hash_fn, request.cache_salt, policy.name),
+            packed_block_hashes(
+                layout, chunk_ids, self.hash_fn, request.cache_salt, policy.name, leading, stream
+            ),
         )
         request.max_tokens = min(request.max_tokens, self.max_model_len - layout.num_padded_tokens)
-        roles = [
-            BlockRole.SHARED if spec.kind is BlockKind.CHUNK_SHARED else BlockRole.PRIVATE
-            for spec in layout.blocks
-        ]
         st = RequestState(
             layout,
             chunk_ids,
-            roles,
+            [],
             SequencePlacement((), 0),  # set at admission, once the chunks are placed
             pin=bool(extra.get(PIN_KEY)),
             private_tokens=[sp.private_tokens for sp in layout.chunk_spans],
             shared=True,
         )
-        st.set_layout(layout)
+        st.set_packed_layout(layout)
         return st
+
+    def _leading_hashes(self, request: Request, layout: Layout) -> list[BlockHash]:
+        """vLLM's hashes of the request's ``num_plain_blocks`` (when it hashed blocks of our
+        size), so those blocks are not hashed a second time."""
+        if self.block_pool.hash_block_size != self.block_size:
+            return []
+        return list(request.block_hashes[: num_plain_blocks(layout)])
 
     def _build_private(
         self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
@@ -337,11 +362,14 @@ class RequestIntake:
         for i in range(layout.num_blocks):
             compact_before[i + 1] += compact_before[i]
         padded = layout.padded_token_ids()
+        leading = self._leading_hashes(request, layout)  # before set_prompt replaces them
         set_prompt(request, [padded[i] for i in compact_slots])
         # Layout-keyed hashes of the prompt's full blocks; decode blocks are not prefix-cached.
         set_block_hashes(
             request,
-            mepic_block_hashes(layout, padded, self.hash_fn, request.cache_salt, policy.name),
+            mepic_block_hashes(
+                layout, padded, self.hash_fn, request.cache_salt, policy.name, leading
+            ),
         )
         request.max_tokens = min(request.max_tokens, self.max_model_len - layout.num_padded_tokens)
         placement = SequencePlacement(
@@ -356,6 +384,7 @@ class RequestIntake:
             chunk_ids,
             roles,
             placement,
+            len(compact_slots),
             compact_slots,
             compact_before,
             pin=bool(extra.get(PIN_KEY)),
