@@ -499,9 +499,9 @@ def rope_paged_attention_triton(
 
     ``kernel`` forces ``"prefill"`` or ``"decode"`` (default: decode when
     ``meta.max_query_len <= 1``, trusted as given). ``tiles`` is ``prefill_tiles(loc, block_m)``
-    precomputed with the same ``block_m`` (else built here, a host sync). ``apply_rope=False``
-    skips all rotation; ``block_m``/``block_n``/``num_splits`` override tile sizes and decode
-    splits (benchmarks and tests).
+    precomputed with the same ``block_m`` (else built here once per ``meta``, a host sync).
+    ``apply_rope=False`` skips all rotation; ``block_m``/``block_n``/``num_splits`` override tile
+    sizes and decode splits (benchmarks and tests).
     """
     _validate(query, kv_cache, meta, rope)
     if kernel not in (None, "prefill", "decode"):
@@ -593,8 +593,11 @@ def rope_paged_attention_triton(
         block_m = 64
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m {block_m} must be a power of two >= 16")
-    if tiles is None:
-        tiles = prefill_tiles(meta.query_start_loc, block_m, device)
+    if tiles is None:  # built once per step (it syncs): every layer shares ``meta``
+        key = ("triton-prefill-tiles", block_m, device)
+        tiles = meta.memo.get(key)
+        if tiles is None:
+            tiles = meta.memo[key] = prefill_tiles(meta.query_start_loc, block_m, device)
     tile_seq, tile_row = (_int32(x, device) for x in tiles)
     _prefill_kernel[(tile_seq.numel(), hq)](
         query, out, k, v, cos_sin, tile_seq, tile_row, *metas, *strides, qk_scale,

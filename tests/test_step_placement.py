@@ -172,7 +172,11 @@ def _check(pool, maps, blends, req_ids, loc, index, table) -> None:
     np.testing.assert_array_equal(got.entries.valid_end, want.valid_end)
     blending = [(a, b, rows.tolist(), ratio) for a, b, rows, ratio in got.blending]
     assert blending == want.blending
-    tables = step.build_tables(len(index), got.positions, got.padded, got.entries, "cpu")
+    counts = np.diff(loc)
+    assert got.max_query_len == (int(counts.max()) if len(counts) else 0)
+    tables = step.build_tables(
+        len(index), got.positions, got.padded, got.entries, got.max_query_len, "cpu"
+    )
     assert tables.num_reqs == len(req_ids) and tables.first_pos.dtype == torch.int32
 
 

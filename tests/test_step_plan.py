@@ -65,7 +65,9 @@ def _tables(num_reqs: int, num_tokens: int) -> step.StepInputs:
     idx = np.arange(num_tokens, dtype=np.int64)
     one = np.ones((num_reqs, 1), dtype=np.int32)
     entries = EntryTables(one[:, 0], 0 * one, 0 * one, BS * one)
-    return step.StepInputs(step.build_tables(num_tokens, idx, idx, entries, torch.device("cpu")))
+    return step.StepInputs(
+        step.build_tables(num_tokens, idx, idx, entries, num_tokens, torch.device("cpu"))
+    )
 
 
 def test_a_step_without_a_plan_is_refused():

@@ -1,9 +1,10 @@
 """Torch reference of the op contract; runs on any device and is the CPU serving path.
 
-Vectorized per sequence (a Python loop over sequences, never over tokens): gather the sequence's
-KV blocks, drop pad slots, rotate K at each key's logical position, rotate Q, and run
-``scaled_dot_product_attention`` with a causal mask in padded-index order and native GQA.
-Single-query sequences that see every key (decode) are batched into one padded SDPA per layer.
+Per step, once for every layer: each sequence's real key slots (pad slots dropped), their
+logical positions' cos/sin, and the causal mask in padded-index order. Single-query sequences
+that see every key (decode) form one padded batch, planned with array operations over all of
+them and run as one SDPA per layer; the other sequences (prefill) are planned and run one by one.
+Per layer: gather K/V, rotate K and Q, ``scaled_dot_product_attention`` with native GQA.
 """
 
 from __future__ import annotations
@@ -83,48 +84,37 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -
     return out.to(x.dtype)
 
 
-def _plans(meta: PagedRopeMetadata, rope: RopeSpec, device: torch.device) -> list[_SequencePlan]:
-    if "reference_plans" in meta.memo:
-        return meta.memo["reference_plans"]
+def _sequence_plan(
+    meta: PagedRopeMetadata, rope: RopeSpec, s: int, q0: int, q1: int, n: int, device
+) -> _SequencePlan:
+    """One sequence's keys, cos/sin and mask (sequences outside the decode batch)."""
     bs = meta.block_size
-    loc = meta.query_start_loc.tolist()
-    nblocks = meta.num_blocks.tolist()
     slot = torch.arange(bs, device=device)
-    plans = []
-    for s in range(meta.num_seqs):
-        q0, q1 = loc[s], loc[s + 1]
-        if q0 == q1:
-            continue
-        n = nblocks[s]
-        start = meta.block_valid_start[s, :n, None]
-        real = ((slot >= start) & (slot < meta.block_valid_end[s, :n, None])).flatten()
-        keep = real.nonzero().squeeze(1)
-        pos = (meta.block_first_pos[s, :n, None] + slot - start).flatten()[keep]
-        kcos, ksin = _cos_sin(rope, pos)
-        qcos, qsin = _cos_sin(rope, meta.query_positions[q0:q1])
-        mask: torch.Tensor | None = keep[None, :] <= meta.query_indices[q0:q1, None]
-        # SDPA is much faster without an explicit mask: use none when every key is visible
-        # (decode), its own causal mask when the queries are exactly the keys in order.
-        is_causal = False
-        if bool(mask.all()):
-            mask = None
-        elif q1 - q0 == len(keep) and torch.equal(mask, torch.ones_like(mask).tril()):
-            mask, is_causal = None, True
-        plans.append(
-            _SequencePlan(
-                slice(q0, q1),
-                meta.block_tables[s, :n].long()[keep // bs],
-                keep % bs,
-                kcos,
-                ksin,
-                qcos,
-                qsin,
-                mask,
-                is_causal,
-            )
-        )
-    meta.memo["reference_plans"] = plans
-    return plans
+    start = meta.block_valid_start[s, :n, None]
+    real = ((slot >= start) & (slot < meta.block_valid_end[s, :n, None])).flatten()
+    keep = real.nonzero().squeeze(1)
+    pos = (meta.block_first_pos[s, :n, None] + slot - start).flatten()[keep]
+    kcos, ksin = _cos_sin(rope, pos)
+    qcos, qsin = _cos_sin(rope, meta.query_positions[q0:q1])
+    mask: torch.Tensor | None = keep[None, :] <= meta.query_indices[q0:q1, None]
+    # SDPA is much faster without an explicit mask: use none when every key is visible
+    # (decode), its own causal mask when the queries are exactly the keys in order.
+    is_causal = False
+    if bool(mask.all()):
+        mask = None
+    elif q1 - q0 == len(keep) and torch.equal(mask, torch.ones_like(mask).tril()):
+        mask, is_causal = None, True
+    return _SequencePlan(
+        slice(q0, q1),
+        meta.block_tables[s, :n].long()[keep // bs],
+        keep % bs,
+        kcos,
+        ksin,
+        qcos,
+        qsin,
+        mask,
+        is_causal,
+    )
 
 
 @dataclass(frozen=True)
@@ -133,7 +123,7 @@ class _DecodeBatch:
     instead of one per sequence (decode steps of many requests)."""
 
     rows: torch.Tensor  # [N] query row of each sequence
-    blocks: torch.Tensor  # [N, L] block id of each key (padding: any valid slot)
+    blocks: torch.Tensor  # [N, L] block id of each key (padding: the sequence's first key)
     offsets: torch.Tensor  # [N, L]
     key_cos: torch.Tensor  # [N, L, 1, D/2]
     key_sin: torch.Tensor
@@ -142,43 +132,71 @@ class _DecodeBatch:
     mask: torch.Tensor | None  # [N, 1, 1, L] bool (None: no padding)
 
 
-def _split_decode(
-    meta: PagedRopeMetadata, plans: list[_SequencePlan]
-) -> tuple[_DecodeBatch | None, list[_SequencePlan]]:
-    """Batch the plans of single-query sequences without a mask; the rest run one by one."""
-    if "reference_decode" in meta.memo:
-        return meta.memo["reference_decode"]
-    single: list[_SequencePlan] = []
-    rest: list[_SequencePlan] = []
-    for p in plans:
-        (single if p.q_rows.stop - p.q_rows.start == 1 and p.mask is None else rest).append(p)
-    if len(single) < 2:
-        meta.memo["reference_decode"] = (None, plans)
-        return None, plans
-    lengths = [len(p.blocks) for p in single]
-    longest = max(lengths)
-
-    def pad(x: torch.Tensor) -> torch.Tensor:
-        fill = x[:1].expand(longest - len(x), *x.shape[1:])
-        return torch.cat((x, fill)) if len(x) < longest else x
-
+def _decode_batch(
+    meta: PagedRopeMetadata, rope: RopeSpec, device: torch.device
+) -> tuple[_DecodeBatch | None, torch.Tensor]:
+    """The decode batch (at least two single-query sequences that see every key of theirs),
+    built with array operations over all of them, and which sequences it holds ``[S]``."""
+    bs = meta.block_size
+    held = torch.zeros(meta.num_seqs, dtype=torch.bool, device=device)
+    loc = meta.query_start_loc.long()
+    seqs = ((loc[1:] - loc[:-1]) == 1).nonzero().squeeze(1)
+    if len(seqs) < 2:
+        return None, held
+    nblocks = meta.num_blocks[seqs].long()
+    width = int(nblocks.max())
+    entry = torch.arange(width, device=device)
+    slot = torch.arange(bs, device=device)
+    start = meta.block_valid_start[seqs, :width, None].long()
+    listed = (entry[None, :] < nblocks[:, None])[:, :, None]
+    real = (listed & (slot >= start) & (slot < meta.block_valid_end[seqs, :width, None])).flatten(1)
+    rows = loc[seqs]
+    later = torch.arange(width * bs, device=device)[None, :] > meta.query_indices[rows, None]
+    lengths = real.sum(1)
+    batched = ~(real & later).any(1) & (lengths > 0)
+    if int(batched.sum()) < 2:
+        return None, held
+    seqs, real, lengths, rows = seqs[batched], real[batched], lengths[batched], rows[batched]
+    longest = int(lengths.max())
+    # Each sequence's real keys in padded order, padded with its first key.
+    owner, index = real.nonzero(as_tuple=True)
+    order = (real.cumsum(1) - 1)[owner, index]
+    keys = index[torch.cumsum(lengths, 0) - lengths][:, None].repeat(1, longest)
+    keys[owner, order] = index
+    entries = keys // bs
+    offsets = keys % bs
+    blocks = meta.block_tables[seqs].long().gather(1, entries)
+    first = meta.block_first_pos[seqs].long().gather(1, entries)
+    pos = first + offsets - meta.block_valid_start[seqs].long().gather(1, entries)
+    kcos, ksin = _cos_sin(rope, pos.flatten())
+    qcos, qsin = _cos_sin(rope, meta.query_positions[rows])
+    mask = None
+    if bool((lengths < longest).any()):
+        mask = (torch.arange(longest, device=device)[None, :] < lengths[:, None])[:, None, None]
+    held[seqs] = True
+    shape = (len(seqs), longest, *kcos.shape[1:])
     batch = _DecodeBatch(
-        rows=torch.tensor([p.q_rows.start for p in single], device=single[0].blocks.device),
-        blocks=torch.stack([pad(p.blocks) for p in single]),
-        offsets=torch.stack([pad(p.offsets) for p in single]),
-        key_cos=torch.stack([pad(p.key_cos) for p in single]),
-        key_sin=torch.stack([pad(p.key_sin) for p in single]),
-        query_cos=torch.cat([p.query_cos for p in single]),
-        query_sin=torch.cat([p.query_sin for p in single]),
-        mask=None
-        if min(lengths) == longest
-        else (
-            torch.arange(longest, device=single[0].blocks.device)[None, :]
-            < torch.tensor(lengths, device=single[0].blocks.device)[:, None]
-        )[:, None, None, :],
+        rows, blocks, offsets, kcos.reshape(shape), ksin.reshape(shape), qcos, qsin, mask
     )
-    meta.memo["reference_decode"] = (batch, rest)
-    return batch, rest
+    return batch, held
+
+
+def _step_plans(
+    meta: PagedRopeMetadata, rope: RopeSpec, device: torch.device
+) -> tuple[_DecodeBatch | None, list[_SequencePlan]]:
+    """What every layer of a step needs, once per step: the decode batch, and a plan for each
+    other sequence with queries (prefill: the only per-sequence Python work)."""
+    if "reference_step" in meta.memo:
+        return meta.memo["reference_step"]
+    batch, held = _decode_batch(meta, rope, device)
+    loc = meta.query_start_loc
+    alone = ((loc[1:] > loc[:-1]) & ~held).nonzero().squeeze(1).tolist()
+    bounds, nblocks = loc.tolist(), meta.num_blocks.tolist()
+    plans = [
+        _sequence_plan(meta, rope, s, bounds[s], bounds[s + 1], nblocks[s], device) for s in alone
+    ]
+    meta.memo["reference_step"] = (batch, plans)
+    return batch, plans
 
 
 def rope_paged_attention_reference(
@@ -195,7 +213,7 @@ def rope_paged_attention_reference(
     """
     out = torch.empty_like(query)
     neox = rope.is_neox_style
-    batch, plans = _split_decode(meta, _plans(meta, rope, query.device))
+    batch, plans = _step_plans(meta, rope, query.device)
     if batch is not None:
         k = _rotate(kv_cache[0][batch.blocks, batch.offsets], batch.key_cos, batch.key_sin, neox)
         v = kv_cache[1][batch.blocks, batch.offsets]

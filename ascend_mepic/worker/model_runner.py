@@ -235,7 +235,12 @@ class MepicRunnerMixin:
                     placed.slots[rows]
                 ).to(slot_mapping.device)
         tables = step.build_tables(
-            num_tokens, placed.positions, placed.padded, placed.entries, self.device
+            num_tokens,
+            placed.positions,
+            placed.padded,
+            placed.entries,
+            placed.max_query_len,
+            self.device,
         )
         blend_step = None
         if placed.blending:

@@ -30,6 +30,7 @@ class StepTables:
     first_pos: torch.Tensor  # [R, max_blocks]
     valid_start: torch.Tensor
     valid_end: torch.Tensor
+    max_query_len: int  # from the runner's host copy: the builders never read it off a device
 
     def check_matches(self, num_reqs: int, num_tokens: int) -> None:
         if self.num_reqs != num_reqs or self.num_tokens != num_tokens:
@@ -43,7 +44,6 @@ class StepTables:
         self, block_size: int, query_start_loc: torch.Tensor, block_table: torch.Tensor
     ) -> PagedRopeMetadata:
         max_blocks = self.first_pos.shape[1]
-        counts = query_start_loc[1:] - query_start_loc[:-1]
         return PagedRopeMetadata(
             block_size=block_size,
             query_start_loc=query_start_loc.to(torch.int32),
@@ -54,7 +54,7 @@ class StepTables:
             block_first_pos=self.first_pos,
             block_valid_start=self.valid_start,
             block_valid_end=self.valid_end,
-            max_query_len=int(counts.max()) if len(counts) else 0,
+            max_query_len=self.max_query_len,
             max_num_blocks=max_blocks,
         )
 
@@ -104,6 +104,7 @@ class PlacedStep:
     mapped: np.ndarray  # [T] bool: tokens of sequences with a token map (vLLM's values differ)
     slots: np.ndarray  # [T] KV slot of each token
     entries: EntryTables
+    max_query_len: int
     # CacheBlend: per sequence with chunk tokens in the step, (first row, last row + 1,
     # candidate rows, ratio).
     blending: list[tuple[int, int, np.ndarray, float]]
@@ -152,6 +153,7 @@ def place_step(
         mapped=token_rows != PLAIN_ROW,
         slots=slots,
         entries=pool.entries(rows, num_blocks),
+        max_query_len=int(counts.max()) if len(counts) else 0,
         blending=blending,
     )
 
@@ -161,6 +163,7 @@ def build_tables(
     positions: np.ndarray,
     padded: np.ndarray,
     entries: EntryTables,
+    max_query_len: int,
     device: torch.device,
 ) -> StepTables:
     """The step's tables as the attention builders take them."""
@@ -177,4 +180,5 @@ def build_tables(
         t(entries.first_pos),
         t(entries.valid_start),
         t(entries.valid_end),
+        max_query_len,
     )

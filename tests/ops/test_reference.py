@@ -1,5 +1,7 @@
 """The torch reference against the dense oracle, NoPE/pre-rotated equivalence, rejections."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,4 +148,30 @@ def test_plain_prefill_fast_paths_match_oracle(n):
     rope = RopeSpec.from_cache(default_cos_sin_cache(d, 512), True)
     out = rope_paged_attention_reference(query, cache, meta, rope, d**-0.5)
     want = dense_oracle(query, cache, meta, 10000.0, True, d**-0.5)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_batch_takes_exactly_the_single_queries_that_see_every_key(seed):
+    """Planned as arrays over all sequences at once: one sequence whose single query sees only
+    its first key, and one without queries, stay out of the batch; all match the oracle."""
+    b = random_batch(seed, 16, 4, 2, num_seqs=7, decode=True)
+    meta = b.meta
+    meta.query_indices[0] = meta.block_valid_start[0, 0]
+    meta.query_positions[0] = meta.block_first_pos[0, 0]
+    keep = torch.tensor([0, *range(2, meta.num_queries)])  # sequence 1 schedules no query
+    loc = meta.query_start_loc.clone()
+    loc[2:] -= 1
+    meta = replace(
+        meta,
+        query_start_loc=loc,
+        query_positions=meta.query_positions[keep],
+        query_indices=meta.query_indices[keep],
+    )
+    query = b.query[keep]
+    out = rope_paged_attention_reference(query, b.kv_cache, meta, b.rope, b.scale)
+    batch, alone = meta.memo["reference_step"]
+    assert batch.rows.tolist() == loc[2:-1].tolist()
+    assert [plan.q_rows for plan in alone] == [slice(0, 1)]
+    want = dense_oracle(query, b.kv_cache, meta, b.base, b.rope.is_neox_style, b.scale)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)

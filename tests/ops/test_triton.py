@@ -166,6 +166,18 @@ def test_precomputed_prefill_tiles():
     check(run(b, block_m=16, tiles=tiles), b, 1e-5)
 
 
+@interpreted
+def test_prefill_tiles_are_built_once_per_step(monkeypatch):
+    """Building the tiles syncs with the device: once per metadata, not once per layer."""
+    b = random_batch(5, 16, 4, 2, max_segment=MAX_SEGMENT)
+    built = []
+    real = tri.prefill_tiles
+    monkeypatch.setattr(tri, "prefill_tiles", lambda *a: built.append(a) or real(*a))
+    first = run(b, block_m=16)
+    torch.testing.assert_close(run(b, block_m=16), first)
+    assert len(built) == 1
+
+
 def nan_outside_real_slots(b: Batch) -> Batch:
     """Poison every slot no sequence owns as a real key (pads, unused blocks) with NaN."""
     m = b.meta
