@@ -29,8 +29,11 @@ class MepicConfig:
     pad_token_id: int = DEFAULT_PAD_TOKEN_ID
     chunk_begin: str = DEFAULT_BEGIN
     chunk_end: str = DEFAULT_END
-    # Share of the step's token budget kept for chunk compiles (extra sequences in the batch).
-    compile_token_fraction: float = 0.5
+    # The most of a step's token budget (max_num_batched_tokens) that chunk compiles and tier
+    # loads may take, in (0, 1]. Nothing is set aside: compiles use what the step's requests
+    # leave, only in steps that issue them; a lower cap bounds how much a burst of new chunks
+    # can slow the step's decodes, and requests whose new chunks exceed it are rejected.
+    compile_token_fraction: float = 1.0
     # Where the engine publishes MEPIC's metrics as JSON for the API server's /metrics and
     # /v1/mepic/stats (the engine core runs in another process); "" disables it.
     stats_file: str = ""

@@ -26,9 +26,12 @@ def tiny_model(tmp_path_factory):
     return prepare_tiny_llama(tmp_path_factory.mktemp("models") / "tiny")
 
 
-def make_scheduler(model_dir, additional_config, num_blocks=64, max_num_seqs=None):
+def make_scheduler(
+    model_dir, additional_config, num_blocks=64, max_num_seqs=None, max_num_batched_tokens=None
+):
     args = EngineArgs(
         max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         model=str(model_dir),
         dtype="float32",
         block_size=B,
@@ -158,15 +161,81 @@ def test_request_ending_in_its_compile_step_leaves_the_chunk_resident(tiny_model
     assert manager.block_categories()["compile_scratch"] == 0
 
 
-def test_admission_respects_the_compile_reserve(tiny_model):
-    """MEPIC keeps a quarter of max_num_seqs for compiles; admission must stop below the rest
-    (vLLM 0.30.0 admits up to max_num_running_reqs, which is lowered)."""
+def test_a_step_without_compiles_gets_the_whole_batch(tiny_model):
+    """No compile room is set aside: vLLM admits up to max_num_seqs when nothing compiles."""
     sched, hasher = make_scheduler(tiny_model, {"mepic": {}}, num_blocks=64, max_num_seqs=8)
-    assert sched.max_num_running_reqs == 6
+    assert sched.max_num_running_reqs == 8
     for i in range(10):
         sched.add_request(mepic_request(f"r{i}", [Segment.prompt([1, 2, 3 + i])], hasher))
     out = sched.schedule()
-    assert len(sched.running) == 6 and len(out.scheduled_new_reqs) == 6
+    assert len(sched.running) == 8 and len(out.scheduled_new_reqs) == 8
+    assert sched.max_num_running_reqs == 8  # limits are stock outside schedule()
+
+
+def _run_step(sched, out):
+    ids = [r.req_id for r in out.scheduled_new_reqs if not r.req_id.startswith("mepic-")]
+    ids += list(out.scheduled_cached_reqs.req_ids)
+    ran = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[3]] * len(ids),
+    )
+    sched.update_from_output(out, ran)
+
+
+def test_compiles_never_overflow_the_batch(tiny_model):
+    """Compiles take what the step's requests leave: scheduled tokens and sequences, compiles
+    included, stay within max_num_batched_tokens / max_num_seqs, and every request runs."""
+    sched, hasher = make_scheduler(
+        tiny_model, {"mepic": {}}, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=256
+    )
+    docs = [Segment.chunk(range(100 * i + 10, 100 * i + 110)) for i in range(5)]
+    for i in range(6):
+        segs = [Segment.prompt([1, 2 + i]), docs[i % 5], docs[(i + 1) % 5], Segment.prompt([7])]
+        sched.add_request(mepic_request(f"r{i}", segs, hasher))
+    compiles, admitted = 0, set()
+    for _ in range(12):
+        out = sched.schedule()
+        assert out.total_num_scheduled_tokens <= 256
+        assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
+        assert len(out.num_scheduled_tokens) <= 4
+        compiles += sum(r.req_id.startswith("mepic-compile-") for r in out.scheduled_new_reqs)
+        admitted |= {r.req_id for r in out.scheduled_new_reqs}
+        _run_step(sched, out)
+    assert compiles == 5 and {f"r{i}" for i in range(6)} <= admitted
+
+
+def test_deferred_compiles_get_room_in_the_next_step(tiny_model):
+    """A request whose compile did not fit beside the step's requests gets exactly that room
+    kept in the next step, and is admitted then."""
+    sched, hasher = make_scheduler(
+        tiny_model, {"mepic": {}}, num_blocks=64, max_num_batched_tokens=256
+    )
+    sched.add_request(mepic_request("long", [Segment.prompt(range(5, 205))], hasher))
+    doc = Segment.chunk(range(300, 400))
+    sched.add_request(mepic_request("b", [Segment.prompt([1]), doc, Segment.prompt([2])], hasher))
+    out = sched.schedule()
+    assert set(out.num_scheduled_tokens) == {"long"}  # 200 + 100 to compile do not fit in 256
+    assert sched.kv_cache_manager.counters.admissions_deferred == 1
+    _run_step(sched, out)
+    out = sched.schedule()
+    assert "b" in out.num_scheduled_tokens and out.total_num_scheduled_tokens <= 256
+    assert any(r.req_id.startswith("mepic-compile-") for r in out.scheduled_new_reqs)
+    assert sched.max_num_scheduled_tokens == 256
+
+
+def test_compile_cap_rejects_requests_that_can_never_compile(tiny_model):
+    sched, hasher = make_scheduler(
+        tiny_model,
+        {"mepic": {"compile_token_fraction": 0.25}},
+        num_blocks=64,
+        max_num_batched_tokens=256,
+    )
+    big = Segment.chunk(range(300, 400))  # 100 tokens > a quarter of 256
+    r = mepic_request("r", [Segment.prompt([1]), big, Segment.prompt([2])], hasher)
+    sched.add_request(r)
+    assert r.status is RequestStatus.FINISHED_ERROR
+    assert "raise --max-num-batched-tokens" in sched.mepic_errors["r"][1]
 
 
 @pytest.mark.parametrize(

@@ -104,7 +104,8 @@ def launch_server(model: str, tmp: Path, extra_args: list[str] = ()) -> tuple[st
         "--enforce-eager",
         "--max-model-len",
         "1024",
-        # A small step budget (compile room 256 tokens) makes the engine-side rejection testable.
+        # A small step budget (compiles take at most 511 tokens) makes the engine-side rejection
+        # testable.
         "--max-num-batched-tokens",
         "512",
         *extra_args,
@@ -292,11 +293,11 @@ def test_requests_that_cannot_fit_are_400(client):
         vllm_xargs={"mepic_segments": ["prompt", 1, "chunk", 1000, "prompt", 1]},
     )
     assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"]
-    # Fits max_model_len but not one step's chunk compile budget: the engine rejects it.
-    xargs = {"mepic_segments": ["prompt", 1, "chunk", 400, "prompt", 1]}
-    r = complete(client, [1, *ids[:400], 7], vllm_xargs=xargs)
+    # Fits max_model_len but not one step's batch (512 tokens): the engine rejects it.
+    xargs = {"mepic_segments": ["prompt", 1, "chunk", 600, "prompt", 1]}
+    r = complete(client, [1, *ids[:600], 7], vllm_xargs=xargs)
     assert r.status_code == 400 and "MEPIC rejected" in r.json()["error"]["message"]
-    r = complete(client, [1, *ids[:400], 7], vllm_xargs=xargs, stream=True)
+    r = complete(client, [1, *ids[:600], 7], vllm_xargs=xargs, stream=True)
     assert r.status_code == 400 and "MEPIC rejected" in r.json()["error"]["message"]
     bad = complete(client, [1, 2, 3], vllm_xargs={"mepic_segments": ["prompt", 2, "chunk", 1]})
     assert bad.status_code == 400

@@ -177,7 +177,8 @@ class Admission:
         firsts = [layout.spans[segs[0]] for segs in new_chunks.values()]
         compile_tokens = sum(sp.num_tokens for sp in firsts)
         if not self.room.fits(compile_tokens, len(new_chunks)):
-            self.counters.admissions_deferred += 1  # this step's compile room is used up
+            self.counters.admissions_deferred += 1  # this step's batch is full
+            self.room.defer(compile_tokens, len(new_chunks))  # room is kept in the next step
             return None
         need = (
             num_private

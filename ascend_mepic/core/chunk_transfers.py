@@ -78,9 +78,12 @@ class HostStoreStaging:
             num_blocks = -(-len(tokens) // layout.block_size)
             dummy = (self.settings.dummy_token_id,) * policy.dummy_tokens
             table_len = num_blocks + (1 if dummy else 0)
+            if not self.room.fits(len(tokens) + len(dummy), 1):
+                self.counters.admissions_deferred += 1
+                self.room.defer(len(tokens) + len(dummy), 1)  # room is kept in the next step
+                continue
             if (
-                not self.room.fits(len(tokens) + len(dummy), 1)
-                or table_len
+                table_len
                 > self.block_pool.get_num_free_blocks()
                 - self.watermark_blocks
                 + self.chunk_cache.lru.evictable_blocks()
@@ -184,7 +187,11 @@ class TierTransfers:
             num_canonical = span.num_tokens - span.private_tokens
             need = self.chunk_cache.arena.new_blocks_bound(num_canonical) + 1
             free = self.block_pool.get_num_free_blocks() - self.watermark_blocks
-            if not self.room.fits(1, 1) or need > free + self.chunk_cache.lru.evictable_blocks():
+            if not self.room.fits(1, 1):
+                self.counters.admissions_deferred += 1
+                self.room.defer(1, 1)  # room is kept in the next step
+                continue
+            if need > free + self.chunk_cache.lru.evictable_blocks():
                 self.counters.admissions_deferred += 1
                 continue
             if need > free:

@@ -41,7 +41,7 @@ from typing import Any
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from ascend_mepic.core.admission import Admission
 from ascend_mepic.core.chunk_cache import ChunkCache
@@ -99,9 +99,8 @@ class MepicKVCacheManager(KVCacheManager):
         self.model_fingerprint = model_fingerprint
         self.counters = MepicCounters()
         self.settings = KVSettings()
-        # Chunk compiles run as extra sequences in the admitting step; the scheduler reserves room
-        # for them in its token and sequence budgets and sets ``compile_token_budget`` /
-        # ``compile_seq_budget`` (unbounded for kvsim).
+        # Chunk compiles run as extra sequences in the admitting step, in the room the step's
+        # scheduled requests leave; the scheduler sets the batch size (unbounded for kvsim).
         self.room = StepRoom()
         self._states: dict[str, RequestState] = {}
         self._single = request_tables(self)  # vLLM's holder of the request block tables
@@ -194,22 +193,6 @@ class MepicKVCacheManager(KVCacheManager):
     @tier.setter
     def tier(self, tier: TierIndex | None) -> None:
         self.settings.tier = tier
-
-    @property
-    def compile_token_budget(self) -> int:
-        return self.room.token_budget
-
-    @compile_token_budget.setter
-    def compile_token_budget(self, tokens: int) -> None:
-        self.room.token_budget = tokens
-
-    @property
-    def compile_seq_budget(self) -> int:
-        return self.room.seq_budget
-
-    @compile_seq_budget.setter
-    def compile_seq_budget(self, seqs: int) -> None:
-        self.room.seq_budget = seqs
 
     @property
     def recent_chunk_blocks(self) -> deque[tuple[str, list[list[int]]]]:
@@ -344,6 +327,43 @@ class MepicKVCacheManager(KVCacheManager):
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
     ) -> KVCacheBlocks | None:
+        # Every scheduled request's tokens count in the step's batch, beside its compiles. A
+        # running request is scheduled before any compile of the step: it always fits.
+        running = request.status is RequestStatus.RUNNING
+        if not self.room.claim(request.request_id, num_new_tokens, force=running):
+            self.counters.admissions_deferred += 1  # the step's compiles filled the batch
+            return None
+        blocks = self._allocate_slots(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+        )
+        if blocks is None:
+            self.room.release(request.request_id)
+        return blocks
+
+    def _allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        delay_cache_blocks: bool,
+        num_encoder_tokens: int,
+        full_sequence_must_fit: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+    ) -> KVCacheBlocks | None:
         st = self._states.get(request.request_id)
         if st is None:
             return super().allocate_slots(
@@ -405,6 +425,7 @@ class MepicKVCacheManager(KVCacheManager):
         self.room.new_step()
 
     def _release(self, request: Request) -> None:
+        self.room.release(request.request_id)  # preempted: not scheduled in this step after all
         st = self._states.get(request.request_id)
         if st is None:
             return

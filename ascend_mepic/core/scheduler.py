@@ -40,7 +40,7 @@ from ascend_mepic.vllm_integration.scheduler import (
     add_pseudo_request,
     emit_finished_at_arrival,
     install_kv_manager,
-    lower_running_limits,
+    step_limits,
 )
 from ascend_mepic.vllm_integration.version import check_vllm_version
 
@@ -88,7 +88,15 @@ class MepicScheduler(Scheduler):
         )
         install_kv_manager(self, manager)
         self._step_count = 0
-        self._reserve_compile_room()
+        self._batch = (self.max_num_scheduled_tokens, self.max_num_running_reqs)
+        fraction = self.mepic_config.compile_token_fraction
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"compile_token_fraction must be in (0, 1], got {fraction}")
+        manager.room.set_budgets(
+            *self._batch,
+            int(self._batch[0] * fraction),
+            whole_prefills=not self.scheduler_config.enable_chunked_prefill,
+        )
         self._compiles_to_finish: set[str] = set()
         self.pic_policy = self.mepic_config.parsed_policy
         self.kv_cache_manager.policy = self.pic_policy
@@ -106,31 +114,13 @@ class MepicScheduler(Scheduler):
             self.kv_cache_manager.tier = TierIndex(tier, Path(root) / "tier", model.model)
             logger.info("MEPIC chunk tier on: %s", tier)
         logger.info(
-            "MEPIC scheduling path on: block size %d, %d KV blocks, compile room %d tokens / "
-            "%d sequences per step",
+            "MEPIC scheduling path on: block size %d, %d KV blocks, compiles take up to %d "
+            "tokens / %d sequences of a step, only in steps that issue them",
             self.block_size,
             old.kv_cache_config.num_blocks,
-            self.kv_cache_manager.compile_token_budget,
-            self.kv_cache_manager.compile_seq_budget,
+            manager.room.max_compile_tokens,
+            manager.room.max_compile_seqs,
         )
-
-    def _reserve_compile_room(self) -> None:
-        """Chunk compiles join the step as extra sequences: keep room for them in the budgets.
-
-        The model runner's buffers are sized by max_num_batched_tokens and max_num_seqs, so the
-        scheduler's own budgets shrink by the compile reserve instead.
-        """
-        fraction = self.mepic_config.compile_token_fraction
-        if not 0.0 < fraction < 1.0:
-            raise ValueError(f"compile_token_fraction must be in (0, 1), got {fraction}")
-        tokens = int(self.max_num_scheduled_tokens * fraction)
-        seqs = max(1, self.max_num_running_reqs // 4)
-        if self.max_num_running_reqs - seqs < 1 or self.max_num_scheduled_tokens - tokens < 1:
-            raise ValueError("max_num_seqs / max_num_batched_tokens too small for MEPIC")
-        lower_running_limits(self, tokens, seqs)
-        manager = self.kv_cache_manager
-        assert isinstance(manager, MepicKVCacheManager)
-        manager.compile_token_budget, manager.compile_seq_budget = tokens, seqs
 
     @property
     def mepic_manager(self) -> MepicKVCacheManager | None:
@@ -223,14 +213,20 @@ class MepicScheduler(Scheduler):
         self.finish_requests(request.request_id, status)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        if self.mepic_manager is not None and self._staged:
+        manager = self.mepic_manager
+        if manager is None:
+            return super().schedule(*args, **kwargs)
+        if self._staged:
             self._release_staged()
-        output = super().schedule(*args, **kwargs)
-        if self.mepic_manager is not None:
-            if self._staged:
-                self._stage_compiles()
-            self._add_compiles(output)
-            self._publish_stats()
+        # Compile room is kept only for compiles a previous step had to defer; every other
+        # step gives vLLM the whole batch (compiles then take what its requests leave).
+        tokens, seqs = manager.room.take_reserve()
+        with step_limits(self, self._batch[0] - tokens, self._batch[1] - seqs):
+            output = super().schedule(*args, **kwargs)
+        if self._staged:
+            self._stage_compiles()
+        self._add_compiles(output)
+        self._publish_stats()
         return output
 
     def _publish_stats(self, min_interval_s: float = 0.25) -> None:

@@ -1,9 +1,15 @@
-"""The compile room of one scheduling step, and the compiles issued into it.
+"""One scheduling step's batch, shared by vLLM's scheduled requests and MEPIC's extra sequences.
 
-Chunk compiles (and tier loads) run as extra sequences in the step that issues them; the scheduler
-reserves room for them in its token and sequence budgets and sets ``token_budget`` /
-``seq_budget`` here (unbounded for kvsim). What is left shrinks as admissions, host-store staging
-and tier loads use it, and is restored when the next step starts.
+Chunk compiles (and tier loads) run as extra sequences of the step that issues them, and the
+model runner's buffers hold ``token_budget`` tokens and ``seq_budget`` sequences in all (vLLM's
+``max_num_scheduled_tokens`` / ``max_num_seqs``; unbounded for kvsim). Nothing is set aside in a
+step without compiles: the room a compile takes is what the step's scheduled requests left, and
+a request that would overflow the batch beside the step's compiles waits for the next step.
+
+``claim`` records each request's scheduled tokens as vLLM allocates its slots; compiles and loads
+``fit`` in what is left, within ``compile_token_cap``. An admission whose compiles did not fit
+``defer``s them, and the scheduler keeps exactly that room (``take_reserve``) in the next step,
+so a large compile is never starved by the requests scheduled beside it.
 """
 
 from __future__ import annotations
@@ -18,30 +24,110 @@ UNBOUNDED = 1 << 62
 
 class StepRoom:
     def __init__(self) -> None:
-        self.token_budget = UNBOUNDED
-        self.seq_budget = UNBOUNDED
-        self.tokens_left = self.token_budget
-        self.seqs_left = self.seq_budget
+        self.token_budget = UNBOUNDED  # tokens of the step's batch, requests and compiles
+        self.seq_budget = UNBOUNDED  # sequences of the step's batch
+        self.compile_token_cap = UNBOUNDED  # most tokens one step's compiles and loads may take
+        self.whole_prefills = False  # chunked prefill off: a prompt is scheduled whole
+        self.claims: dict[str, int] = {}  # request id -> tokens scheduled in this step
+        self.claimed_tokens = 0
+        self.compile_tokens = 0
+        self.compile_seqs = 0
         self.compiles: list[tuple[str, ChunkCompile]] = []  # (request id, compile), this step
+        self._wanted = (0, 0)  # compile room deferred in this step: kept in the next one
+
+    def set_budgets(
+        self, tokens: int, seqs: int, compile_token_cap: int, whole_prefills: bool = False
+    ) -> None:
+        """The runner's per-step batch, and the share of it one step's compiles may take."""
+        if tokens < 2 or seqs < 2:
+            raise ValueError(
+                "max_num_batched_tokens and max_num_seqs must be at least 2 for MEPIC (a compile "
+                "runs beside the request that brings its chunk)"
+            )
+        self.token_budget, self.seq_budget = tokens, seqs
+        self.compile_token_cap = max(1, min(compile_token_cap, tokens - 1))
+        self.whole_prefills = whole_prefills
+
+    @property
+    def max_compile_tokens(self) -> int:
+        """Compile tokens one step can hold: the cap, beside at least one scheduled token."""
+        return min(self.compile_token_cap, self.token_budget - 1)
+
+    @property
+    def max_compile_seqs(self) -> int:
+        """Compiles one step can hold, beside the request that brings them."""
+        return self.seq_budget - 1
 
     def check_request(self, layout: Layout, chunk_ids: dict[int, ChunkId | None]) -> None:
-        """A request whose unique chunks could not all compile in one step can never run."""
+        """A request whose unique chunks could not all compile in one otherwise empty step, beside
+        its first scheduled tokens (its whole prompt without chunked prefill), can never run."""
         unique = {cid: span for span in layout.chunk_spans if (cid := chunk_ids[span.segment])}
         tokens = sum(span.num_tokens for span in unique.values())
-        if tokens > self.token_budget or len(unique) > self.seq_budget:
+        beside = layout.num_in_context() if self.whole_prefills else 1
+        if (
+            tokens > self.max_compile_tokens
+            or tokens + beside > self.token_budget
+            or len(unique) > self.max_compile_seqs
+        ):
             raise MepicCapacityError(
                 f"request has {len(unique)} chunks with {tokens} tokens to compile, more than one "
-                f"step can compile ({self.seq_budget} sequences, "
-                f"{self.token_budget} tokens); raise --max-num-batched-tokens"
+                f"step can compile ({self.max_compile_seqs} sequences, "
+                f"{self.max_compile_tokens} tokens); raise --max-num-batched-tokens"
             )
 
+    @property
+    def tokens_left(self) -> int:
+        return self.token_budget - self.claimed_tokens - self.compile_tokens
+
+    @property
+    def seqs_left(self) -> int:
+        return self.seq_budget - len(self.claims) - self.compile_seqs
+
+    def claim(self, request_id: str, tokens: int, force: bool = False) -> bool:
+        """Schedule ``tokens`` of a request in this step (again: its earlier claim is replaced).
+
+        False (nothing recorded) when they and its sequence do not fit beside the step's
+        compiles. ``force``: a running request, scheduled before any compile of the step, so
+        always within vLLM's own budgets.
+        """
+        old = self.claims.get(request_id)
+        extra_seq = 0 if old is not None else 1
+        extra_tokens = tokens - (old or 0)
+        if not force and (extra_tokens > self.tokens_left or extra_seq > self.seqs_left):
+            return False
+        self.claims[request_id] = tokens
+        self.claimed_tokens += extra_tokens
+        return True
+
+    def release(self, request_id: str) -> None:
+        """A request is not scheduled in this step after all (its allocation failed, or it was
+        preempted)."""
+        tokens = self.claims.pop(request_id, None)
+        if tokens is not None:
+            self.claimed_tokens -= tokens
+
     def fits(self, tokens: int, seqs: int) -> bool:
-        """Whether ``seqs`` more sequences of ``tokens`` tokens in all fit this step."""
-        return tokens <= self.tokens_left and seqs <= self.seqs_left
+        """Whether ``seqs`` more extra sequences of ``tokens`` tokens in all fit this step."""
+        return (
+            tokens <= self.tokens_left
+            and seqs <= self.seqs_left
+            and self.compile_tokens + tokens <= self.compile_token_cap
+        )
+
+    def defer(self, tokens: int, seqs: int) -> None:
+        """Compiles that did not fit this step: the next step keeps room for them."""
+        wanted_tokens, wanted_seqs = self._wanted
+        self._wanted = (max(wanted_tokens, tokens), max(wanted_seqs, seqs))
+
+    def take_reserve(self) -> tuple[int, int]:
+        """(tokens, sequences) to keep out of vLLM's budgets in the coming step, once."""
+        tokens, seqs = self._wanted
+        self._wanted = (0, 0)
+        return min(tokens, self.max_compile_tokens), min(seqs, self.max_compile_seqs)
 
     def use(self, tokens: int, seqs: int) -> None:
-        self.tokens_left -= tokens
-        self.seqs_left -= seqs
+        self.compile_tokens += tokens
+        self.compile_seqs += seqs
 
     def add_compiles(self, request_id: str, compiles: list[ChunkCompile]) -> None:
         """Issue compiles in this step, using their tokens and one sequence each."""
@@ -54,6 +140,8 @@ class StepRoom:
         return out
 
     def new_step(self) -> None:
-        self.tokens_left = self.token_budget
-        self.seqs_left = self.seq_budget
+        self.claims = {}
+        self.claimed_tokens = 0
+        self.compile_tokens = 0
+        self.compile_seqs = 0
         self.compiles = []

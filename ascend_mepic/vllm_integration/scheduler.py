@@ -6,6 +6,8 @@ does not offer is here.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from vllm.sampling_params import SamplingParams
@@ -29,16 +31,24 @@ def install_kv_manager(scheduler: Any, manager: Any) -> None:
     scheduler.kv_cache_manager = manager
 
 
-def lower_running_limits(scheduler: Any, tokens: int, seqs: int) -> None:
-    """Keep ``tokens`` / ``seqs`` of each step for chunk compiles.
+@contextmanager
+def step_limits(scheduler: Any, tokens: int, seqs: int) -> Iterator[None]:
+    """Run one ``schedule()`` with its token and running-request limits lowered to ``tokens`` /
+    ``seqs``, then restore them.
 
     Why: compiles are extra sequences of the step (below), and the model runner's buffers are
-    sized by ``max_num_batched_tokens`` / ``max_num_seqs``; the scheduler's own budgets
-    (``max_num_scheduled_tokens``, ``max_num_running_reqs``, read at every ``schedule()``) shrink
-    by the reserve instead.
+    sized by ``max_num_batched_tokens`` / ``max_num_seqs``. vLLM has no hook for a per-step
+    budget; ``schedule()`` reads ``max_num_scheduled_tokens`` when it starts and
+    ``max_num_running_reqs`` before each admission, and asserts the running queue stays within
+    it, so the running-request limit never goes below the requests already running.
     """
-    scheduler.max_num_scheduled_tokens -= tokens
-    scheduler.max_num_running_reqs -= seqs
+    full = (scheduler.max_num_scheduled_tokens, scheduler.max_num_running_reqs)
+    scheduler.max_num_scheduled_tokens = min(full[0], tokens)
+    scheduler.max_num_running_reqs = min(full[1], max(seqs, len(scheduler.running)))
+    try:
+        yield
+    finally:
+        scheduler.max_num_scheduled_tokens, scheduler.max_num_running_reqs = full
 
 
 def add_pseudo_request(
