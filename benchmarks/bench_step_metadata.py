@@ -1,10 +1,15 @@
-"""Per-step MEPIC metadata cost: the worker's token placement for one decode step.
+"""Per-step MEPIC metadata cost for one decode step, on the host.
 
-Times ``MepicRunnerMixin._place_tokens`` (positions, KV slots and the step's position tables for
-every sequence of the batch) on a stand-in runner holding only what that method reads, for
-decoding batches of requests with chunked, padded layouts at about 2k tokens of context
-(a 64-token prompt, 4 chunks of 480 tokens, a 32-token question), optionally with a share of
-plain requests (no token map). Prints the median time per step; asserts nothing.
+1. ``MepicRunnerMixin._place_tokens`` (positions, KV slots and the step's position tables for
+   every sequence of the batch) on a stand-in runner holding only what that method reads, for
+   decoding batches of requests with chunked, padded layouts at about 2k tokens of context (a
+   64-token prompt, 4 chunks of 480 tokens, a 32-token question), optionally with a share of
+   plain requests (no token map).
+2. The torch reference attention's per-step plan (what it memoises on the step's metadata for
+   every layer) for the same number of decoding sequences at 2k tokens: its first call on a
+   step's metadata minus a later call (one layer's work).
+
+Prints medians; asserts nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import torch
 
 from ascend_mepic.core.plan import SequencePlacement, StepPlan
 from ascend_mepic.core.segments import Segment, build_layout
+from ascend_mepic.ops import PagedRopeMetadata, RopeSpec
+from ascend_mepic.ops.reference import rope_paged_attention_reference
 from ascend_mepic.worker.model_runner import MepicRunnerMixin
 
 BLOCK_SIZE = 16
@@ -103,6 +110,41 @@ def time_steps(runner: StandInRunner, steps: int) -> float:
     return statistics.median(times)
 
 
+def reference_plan_seconds(num_seqs: int, context: int = 2048, repeats: int = 5) -> float:
+    """Median per-step planning time of the torch reference for ``num_seqs`` decode queries
+    over ``context`` keys each (all sequences read the same blocks: the plan, not the cache
+    size, is measured)."""
+    bs, heads, head = BLOCK_SIZE, 1, 64
+    blocks = context // bs
+    first = (torch.arange(blocks, dtype=torch.int32) * bs).expand(num_seqs, blocks).contiguous()
+    last = torch.full((num_seqs,), context - 1, dtype=torch.int32)
+    kv_cache = torch.randn(2, blocks, bs, heads, head)
+    query = torch.randn(num_seqs, heads, head)
+    rope = RopeSpec.from_cache(torch.randn(2 * context, head), True)
+    times = []
+    for _ in range(repeats):
+        meta = PagedRopeMetadata(
+            block_size=bs,
+            query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+            query_positions=last,
+            query_indices=last,
+            block_tables=torch.arange(blocks, dtype=torch.int32).expand(num_seqs, -1),
+            num_blocks=torch.full((num_seqs,), blocks, dtype=torch.int32),
+            block_first_pos=first,
+            block_valid_start=torch.zeros_like(first),
+            block_valid_end=torch.full_like(first, bs),
+            max_query_len=1,
+            max_num_blocks=blocks,
+        )
+        t0 = time.perf_counter()
+        rope_paged_attention_reference(query, kv_cache, meta, rope, 1.0)
+        t1 = time.perf_counter()
+        rope_paged_attention_reference(query, kv_cache, meta, rope, 1.0)
+        t2 = time.perf_counter()
+        times.append((t1 - t0) - (t2 - t1))
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, nargs="+", default=[64, 256])
@@ -116,6 +158,11 @@ def main() -> None:
             runner = StandInRunner(n, plain, BLOCK_SIZE)
             t = time_steps(runner, args.steps)
             print(f"| {n} | {plain} | {t * 1e3:.3f} |")
+    print()
+    print("| decoding sequences (2k context) | reference attention's per-step plan (ms) |")
+    print("|---|---|")
+    for n in args.requests:
+        print(f"| {n} | {reference_plan_seconds(n) * 1e3:.1f} |")
 
 
 if __name__ == "__main__":
