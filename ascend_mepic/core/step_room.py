@@ -90,10 +90,12 @@ class StepRoom:
         compiles. ``force``: a running request, scheduled before any compile of the step, so
         always within vLLM's own budgets.
         """
-        old = self.claims.get(request_id)
-        extra_seq = 0 if old is not None else 1
+        old = self.claims.get(request_id)  # called for every scheduled request: kept lean
         extra_tokens = tokens - (old or 0)
-        if not force and (extra_tokens > self.tokens_left or extra_seq > self.seqs_left):
+        if not force and (
+            extra_tokens > self.token_budget - self.claimed_tokens - self.compile_tokens
+            or (old is None and len(self.claims) + self.compile_seqs >= self.seq_budget)
+        ):
             return False
         self.claims[request_id] = tokens
         self.claimed_tokens += extra_tokens
