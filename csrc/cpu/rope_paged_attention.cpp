@@ -150,6 +150,18 @@ struct Scratch {
       : q(rows * d), k(KEY_CHUNK * d), v(KEY_CHUNK * d), s(rows * KEY_CHUNK) {}
 };
 
+// Asks for rows [r0, r1) of one head of the next block-table entry while this one is computed:
+// a KV head's rows are strided in the cache (other heads between them), which the hardware
+// prefetcher follows poorly, and decode is bound by these loads.
+template <typename T>
+inline void prefetch_rows(const T* base, int32_t r0, int32_t r1, int64_t row_stride, int64_t d) {
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t r = r0; r < r1; ++r) {
+    const char* row = reinterpret_cast<const char*>(base + r * row_stride);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
+  }
+}
+
 // Score and P.V micro-kernels. Each works on a tile of ROWS rows (queries times the GQA group
 // sharing the KV head, padded with zero rows), so every rotated key and every value row loaded
 // into registers serves all the tile's rows: the small-GEMM tiling vLLM's CPU kernels use.
@@ -209,6 +221,62 @@ inline void pv_slice(const float* __restrict p, const float* __restrict v, int64
   }
   for (int r = 0; r < ROWS; ++r)
     for (int j = 0; j < W; ++j) _mm256_storeu_ps(acc_rows + r * d + x0 + 8 * j, acc[r][j]);
+}
+
+// exp(x) for eight x <= 0: exp_nonpositive's method, in AVX2.
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)),
+                                 _mm256_set1_ps(1.4426950408889634f));
+  const __m256 fi = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, fi);
+  __m256 p = _mm256_set1_ps(0.00015404f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.00133336f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.00961813f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.05550411f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022652f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.69314718f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+inline float hsum(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+inline float max_of(const float* x, int64_t n) {
+  __m256 acc = _mm256_set1_ps(NEG_INF);
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) acc = _mm256_max_ps(acc, _mm256_loadu_ps(x + c));
+  float mx = hmax(acc);
+  for (; c < n; ++c) mx = std::max(mx, x[c]);
+  return mx;
+}
+
+// x[c] = exp(x[c] - shift) for c < n; returns their sum.
+inline float exp_shifted(float* x, int64_t n, float shift) {
+  const __m256 sh = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(x + c), sh));
+    _mm256_storeu_ps(x + c, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float total = hsum(acc);
+  for (; c < n; ++c) total += (x[c] = exp_nonpositive(x[c] - shift));
+  return total;
 }
 
 inline void pv_tile(const float* p, const float* v, int64_t v_stride, int64_t n, int64_t d,
@@ -279,6 +347,13 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
     if (v0 >= v1) continue;  // empty entry, or wholly after every query of the tile
     const int64_t blk = m.tables[meta_row + j];
     const int32_t first = m.first[meta_row + j];
+    if (j + 1 < w.entry_end) {
+      const int64_t next = m.tables[meta_row + j + 1];
+      const int32_t n0 = m.vstart[meta_row + j + 1], n1 = m.vend[meta_row + j + 1];
+      const int64_t off = next * cb + static_cast<int64_t>(w.kv_head) * ch;
+      prefetch_rows(k_ptr + off, n0, n1, cs, d);
+      prefetch_rows(v_ptr + off, n0, n1, cs, d);
+    }
     for (int32_t c0 = v0; c0 < v1; c0 += KEY_CHUNK) {
       const int64_t n = std::min<int64_t>(KEY_CHUNK, v1 - c0);
       const int64_t n4 = (n + 3) / 4 * 4;
@@ -316,9 +391,13 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
           std::fill(sr, sr + n, 0.f);
           continue;
         }
+#ifdef MEPIC_CPU_AVX2
+        const float mx = max_of(sr, vis);
+#else
         float mx = NEG_INF;
 #pragma omp simd reduction(max : mx)
         for (int64_t c = 0; c < vis; ++c) mx = std::max(mx, sr[c]);
+#endif
         const float new_max = std::max(row_max[r], mx);
         const float alpha = std::exp(row_max[r] - new_max);  // 0 on the row's first keys
         if (alpha != 1.f) {
@@ -326,12 +405,16 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
 #pragma omp simd
           for (int64_t x = 0; x < d; ++x) acc[x] *= alpha;
         }
+#ifdef MEPIC_CPU_AVX2
+        const float total = exp_shifted(sr, vis, new_max);
+#else
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
         for (int64_t c = 0; c < vis; ++c) {
           sr[c] = exp_nonpositive(sr[c] - new_max);
           total += sr[c];
         }
+#endif
         std::fill(sr + vis, sr + n, 0.f);
         row_sum[r] = row_sum[r] * alpha + total;
         row_max[r] = new_max;
