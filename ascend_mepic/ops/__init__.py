@@ -5,7 +5,7 @@ implementations:
 
 * ``reference``: torch, any device; the oracle, and the CPU path when the native kernel is missing.
 * ``cpu``: the native C++ kernel (``csrc/cpu/``, built by ``make setup``), the CPU default for
-  decode steps (steps with prefill use the reference, whose SDPA prefill is faster today).
+  float32 and bfloat16 (other dtypes use the reference).
 * ``triton``: ``cuda_fallback/rope_paged_attention.py`` (CUDA; also runs under
   ``TRITON_INTERPRET=1``).
 * ``triton-ascend``: ``cuda_fallback/rope_paged_attention_ascend.py``, written for triton-ascend
@@ -127,10 +127,6 @@ def rope_paged_attention(
 
         if query.dtype not in SUPPORTED_DTYPES or kv_cache.dtype not in SUPPORTED_DTYPES:
             impl = "reference"  # e.g. float16 on CPU: the kernel takes fp32 and bf16
-        elif meta.max_query_len > 1:
-            # Steps with prefill stay on the reference: its SDPA prefill is faster than the
-            # kernel's today (README, "CPU kernel"); decode steps take the kernel.
-            impl = "reference"
     return get_attention_fn(impl)(query, kv_cache, meta, rope, scale)
 
 

@@ -90,8 +90,9 @@ def test_pad_slots_may_hold_nan(decode):
     torch.testing.assert_close(run(b), want)
 
 
-def test_dispatch_runs_the_kernel_for_decode_steps(monkeypatch):
-    """By default decode steps take the kernel and steps with prefill the reference."""
+def test_dispatch_runs_the_kernel_by_default(monkeypatch):
+    """On CPU every float32 step takes the kernel, decode and prefill alike, unless another
+    implementation is forced."""
     calls = []
     real = cpu_kernel.rope_paged_attention_cpu
 
@@ -110,10 +111,10 @@ def test_dispatch_runs_the_kernel_for_decode_steps(monkeypatch):
     assert len(calls) == 1
     prefill = random_batch(8, 16, 4, 2)
     assert prefill.meta.max_query_len > 1
-    attend(prefill)
-    assert len(calls) == 1
-    monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", "cpu")  # forced: the kernel for every step
     check(attend(prefill), prefill, 1e-5)
+    assert len(calls) == 2
+    monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", "reference")  # forced: the torch reference
+    attend(prefill)
     assert len(calls) == 2
 
 
