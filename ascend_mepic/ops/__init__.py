@@ -121,13 +121,18 @@ def rope_paged_attention(
         raise UnsupportedRopeError(
             f"head size {query.shape[2]} differs from the rotary dim {rope.head_size}"
         )
-    impl = select_impl(query.device)
-    if impl == "cpu" and not os.environ.get(IMPL_ENV):
-        from ascend_mepic.ops.cpu_kernel import SUPPORTED_DTYPES
+    # Chosen once per step (the metadata is shared by every layer), keyed by what decides it.
+    key = ("impl", query.device.type, query.dtype, kv_cache.dtype, os.environ.get(IMPL_ENV))
+    fn = meta.memo.get(key)
+    if fn is None:
+        impl = select_impl(query.device)
+        if impl == "cpu" and not os.environ.get(IMPL_ENV):
+            from ascend_mepic.ops.cpu_kernel import SUPPORTED_DTYPES
 
-        if query.dtype not in SUPPORTED_DTYPES or kv_cache.dtype not in SUPPORTED_DTYPES:
-            impl = "reference"  # e.g. float16 on CPU: the kernel takes fp32 and bf16
-    return get_attention_fn(impl)(query, kv_cache, meta, rope, scale)
+            if query.dtype not in SUPPORTED_DTYPES or kv_cache.dtype not in SUPPORTED_DTYPES:
+                impl = "reference"  # e.g. float16 on CPU: the kernel takes fp32 and bf16
+        fn = meta.memo[key] = get_attention_fn(impl)
+    return fn(query, kv_cache, meta, rope, scale)
 
 
 __all__ = [
