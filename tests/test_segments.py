@@ -12,6 +12,7 @@ from ascend_mepic.core.segments import (
     Segment,
     SegmentKind,
     build_layout,
+    build_packed_layout,
     layout_from_real,
 )
 
@@ -52,6 +53,33 @@ def test_layout_invariants(segments, bs):
     # Round trip through vLLM's token ids plus the extra_args description.
     again = layout_from_real(flat, layout.segment_lengths(), bs)
     assert again.blocks == layout.blocks and again.segments == layout.segments
+
+
+@settings(max_examples=300, deadline=None)
+@given(segment_lists, block_sizes, st.data())
+def test_packed_counts_match_entries(segments, bs, data):
+    """The counts a packed layout computes per segment (without its entries) are the entries'."""
+    sizes = [len(s.token_ids) for s in segments if s.kind is SegmentKind.CHUNK]
+    private = [data.draw(st.integers(0, n)) for n in sizes]
+    offsets = data.draw(st.one_of(st.none(), st.lists(st.integers(0, bs - 1), min_size=len(sizes),
+                                                      max_size=len(sizes))))  # fmt: skip
+    layout = build_packed_layout(segments, bs, private, offsets)
+    blocks = layout.blocks
+    assert [b.index for b in blocks] == list(range(layout.num_blocks))
+    assert layout.num_padded_tokens == blocks[-1].index * bs + blocks[-1].valid_end
+    in_context = [b for b in blocks if b.kind is BlockKind.PRIVATE]
+    assert layout.num_in_context() == sum(b.num_valid for b in in_context)
+    assert layout.num_private_blocks == len({b.private_block for b in in_context})
+    flat = [t for s in segments for t in s.token_ids]
+    assert layout.private_token_ids() == [
+        t for b in in_context for t in flat[b.first_position : b.first_position + b.num_valid]
+    ]
+    for span in layout.spans:
+        # A private run that goes on in the last entry starts the span there (another segment's).
+        mine = blocks[span.first_block : span.first_block + span.num_blocks]
+        assert all(b.segment == span.segment for b in mine[1:])
+        shared = blocks[span.shared_first : span.shared_first + span.num_shared]
+        assert all(b.kind is BlockKind.CHUNK_SHARED for b in shared)
 
 
 @settings(max_examples=100, deadline=None)

@@ -46,7 +46,7 @@ from ascend_mepic.core.plan import (
 )
 from ascend_mepic.core.policies import Placement
 from ascend_mepic.core.request_intake import BlockRole, RequestState
-from ascend_mepic.core.segments import BlockKind, Segment, build_packed_layout
+from ascend_mepic.core.segments import BlockKind, Segment, SegmentKind, build_packed_layout
 from ascend_mepic.core.step_room import StepRoom
 from ascend_mepic.vllm_integration.kv_cache import (
     block_table,
@@ -220,7 +220,7 @@ class Admission:
         st.plan = RequestPlan(
             request.request_id,
             layout,
-            tuple(b.block_id for b in table[: layout.num_blocks]),
+            tuple([b.block_id for b in table[: layout.num_blocks]]),
             n_hit,
             st.num_in_context - min(st.num_in_context, n_hit * bs),
             tuple(compiles),
@@ -280,21 +280,34 @@ class Admission:
 
     def _packed_table(self, st: RequestState, reused: dict[int, ChunkEntry]) -> list[KVCacheBlock]:
         """The table in logical order, one entry per private run and per canonical block, then
-        the private blocks past the prompt; one reference per listing."""
+        the private blocks past the prompt; one reference per listing.
+
+        Built per segment from the layout's spans (slices of the private blocks and of each
+        chunk's canonical blocks), as ``Layout.blocks`` lists them, without building the entries.
+        """
+        layout, bs, private = st.layout, self.block_size, st.private_blocks
         table: list[KVCacheBlock] = []
-        listed: set[int] = set()
         touch: list[KVCacheBlock] = []
-        for spec in st.layout.blocks:
-            if spec.kind is BlockKind.CHUNK_SHARED:
-                block = reused[spec.segment].blocks[spec.shared_index]
-                touch.append(block)
-            else:
-                block = st.private_blocks[spec.private_block]
-                if spec.private_block in listed:
-                    touch.append(block)
-                listed.add(spec.private_block)
-            table.append(block)
-        table.extend(st.private_blocks[st.layout.num_private_blocks :])
+        stream = 0  # private-stream tokens listed so far
+        last_private = False  # does the last entry end where the stream does?
+        for sp in layout.spans:
+            chunk = sp.kind is SegmentKind.CHUNK
+            k = sp.private_tokens if chunk else sp.num_tokens
+            if k:
+                first, last = stream // bs, (stream + k - 1) // bs
+                if stream % bs and last_private:
+                    first += 1  # the run goes on in the last entry's block
+                elif stream % bs:
+                    touch.append(private[first])  # listed before a chunk interrupted the run
+                table += private[first : last + 1]
+                stream += k
+                last_private = True
+            if chunk and sp.num_shared:
+                canonical = reused[sp.segment].blocks[: sp.num_shared]
+                table += canonical
+                touch += canonical
+                last_private = False
+        table += private[layout.num_private_blocks :]
         self.block_pool.touch(touch)
         return table
 

@@ -131,7 +131,19 @@ def chunk_identity(
     model_fingerprint: str,
     cache_salt: str | None = None,
 ) -> ChunkId:
-    """SHA-256 hex digest of (salt, model fingerprint, block size, tokens)."""
+    """SHA-256 hex digest of (salt, model fingerprint, block size, tokens).
+
+    Named again for every request that carries the chunk, so recent identities are kept by
+    token content: a repeated chunk costs one dict lookup, not a pack and a hash.
+    """
+    return _cached_identity(tuple(token_ids), block_size, model_fingerprint, cache_salt)
+
+
+# Bounded: each entry keeps its chunk's tokens alive.
+@functools.lru_cache(maxsize=512)
+def _cached_identity(
+    token_ids: tuple[int, ...], block_size: int, model_fingerprint: str, cache_salt: str | None
+) -> ChunkId:
     h = hashlib.sha256()
     for part in (b"mepic-chunk-v1", (cache_salt or "").encode(), model_fingerprint.encode()):
         h.update(struct.pack("<Q", len(part)))

@@ -38,6 +38,7 @@ import enum
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 
 class Placement(str, enum.Enum):
@@ -64,7 +65,8 @@ class Policy:
     ratio: float = 0.0  # cacheblend-R / cachetune-R: R / 100
     check_layer: int = CACHEBLEND_CHECK_LAYER
 
-    @property
+    # Read several times per request on the scheduling path: computed once per policy.
+    @cached_property
     def placement(self) -> Placement:
         if self.kind in ("full", "prefix"):
             return Placement.NONE
@@ -72,7 +74,7 @@ class Policy:
             return Placement.SHARED
         return Placement.PRIVATE
 
-    @property
+    @cached_property
     def packed(self) -> bool:
         """Requests use the packed layout (shared placement); others the padded one."""
         return self.placement is Placement.SHARED

@@ -27,7 +27,6 @@ from ascend_mepic.core.policies import Placement
 from ascend_mepic.core.segments import (
     EXTRA_ARGS_KEY,
     PIN_KEY,
-    BlockKind,
     Layout,
     Segment,
     SegmentKind,
@@ -79,10 +78,11 @@ class RequestState:
         block roles. Its private stream is dense, so no per-slot map is needed."""
         self.layout = layout
         self.num_in_context = layout.num_in_context()
-        self.roles = [
-            BlockRole.SHARED if spec.kind is BlockKind.CHUNK_SHARED else BlockRole.PRIVATE
-            for spec in layout.blocks
-        ]
+        self.roles = [BlockRole.PRIVATE] * layout.num_blocks
+        for sp in layout.chunk_spans:  # per chunk, never per entry: its canonical entries
+            self.roles[sp.shared_first : sp.shared_first + sp.num_shared] = [
+                BlockRole.SHARED
+            ] * sp.num_shared
 
     @property
     def allocated(self) -> bool:
@@ -160,22 +160,22 @@ def packed_block_hashes(
     bs = layout.block_size
     if stream is None:
         stream = layout.private_token_ids()
-    starts: list[tuple[int, tuple[Any, ...]]] = []  # (stream index, segment signature)
+    hashes: list[BlockHash] = list(leading)
+    first, num_full = len(hashes), len(stream) // bs
+    if first >= num_full:
+        return hashes
+    # Each segment is named by the first hashed block that ends after its start in the stream.
+    named: list[list[tuple[Any, ...]]] = [[] for _ in range(num_full - first)]
     done = 0
     for span in layout.spans:
-        starts.append(
-            (done, (span.kind.value, span.num_tokens, span.private_tokens,
-                    chunk_ids.get(span.segment) if span.kind is SegmentKind.CHUNK else None))
-        )  # fmt: skip
-        done += span.num_tokens if span.kind is SegmentKind.PROMPT else span.private_tokens
-    hashes: list[BlockHash] = list(leading)
+        chunk = span.kind is SegmentKind.CHUNK
+        p = max(done // bs, first) - first
+        if p < len(named):
+            named[p].append((span.kind.value, span.num_tokens, span.private_tokens,
+                             chunk_ids.get(span.segment) if chunk else None))  # fmt: skip
+        done += span.private_tokens if chunk else span.num_tokens
     parent: BlockHash | None = hashes[-1] if hashes else None
-    seen = 0
-    for p in range(len(hashes), len(stream) // bs):
-        new: list[tuple[Any, ...]] = []
-        while seen < len(starts) and starts[seen][0] < (p + 1) * bs:
-            new.append(starts[seen][1])
-            seen += 1
+    for p, new in enumerate(named, first):
         extra: tuple[Any, ...] = (policy, "packed", tuple(new))
         if p == 0 and cache_salt:
             extra = (cache_salt, *extra)
@@ -268,10 +268,11 @@ class RequestIntake:
         """The packed layout. Shared placement: each chunk's private token count (before
         admission, at the worst start slots). Private placement: every chunk token is private
         (a request's private copy, packed with its prompt tokens, no padding)."""
-        policy = self.settings.policy
+        policy, bs = self.settings.policy, self.block_size
+        packed = policy.packed
         private = [
-            policy.private_tokens(len(seg.token_ids), self.block_size)
-            if policy.packed and chunk_ids[i] is not None
+            policy.private_tokens(len(seg.token_ids), bs)
+            if packed and chunk_ids[i] is not None
             else len(seg.token_ids)  # private placement: every chunk token in private blocks
             for i, seg in enumerate(segments)
             if seg.kind is SegmentKind.CHUNK

@@ -115,28 +115,32 @@ class SegmentSpan:
 
 @dataclass(frozen=True)
 class Layout:
-    """One request's prompt laid out as block-table entries (padded or packed)."""
+    """One request's prompt laid out as block-table entries (padded or packed).
+
+    The counts a scheduler needs (spans, ``num_blocks``, ``num_padded_tokens``, the private
+    stream) are computed per segment when the layout is built; the entries themselves
+    (``blocks``, one object per table entry) are built on first use, because most layouts
+    built on the scheduling path (at a request's arrival, before its chunks are placed) are
+    only ever asked for those counts.
+    """
 
     block_size: int
     segments: tuple[Segment, ...]
     spans: tuple[SegmentSpan, ...]
-    blocks: tuple[BlockSpec, ...]
+    num_blocks: int
+    num_padded_tokens: int  # length of the padded prompt (the last block may be partial)
     packed: bool = False
     num_private_blocks: int = 0  # packed: physical blocks of the private stream
+    num_private_tokens: int = 0  # packed: length of the private stream
+    offsets: tuple[int, ...] = ()  # packed: start slot of each chunk's canonical tokens
+
+    @cached_property
+    def blocks(self) -> tuple[BlockSpec, ...]:
+        return _packed_entries(self) if self.packed else _padded_entries(self)
 
     @property
     def num_real_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.segments)
-
-    @property
-    def num_padded_tokens(self) -> int:
-        """Length of the padded prompt (the last block may be partial)."""
-        last = self.blocks[-1]
-        return last.index * self.block_size + last.valid_end
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
 
     @cached_property
     def chunk_spans(self) -> tuple[SegmentSpan, ...]:
@@ -165,6 +169,12 @@ class Layout:
 
     def private_token_ids(self) -> list[int]:
         """The tokens computed in the request's context, in order (packed: the private stream)."""
+        if self.packed:  # per segment: prompt tokens, each chunk's first private tokens
+            out = []
+            for span in self.spans:
+                ids = self.segments[span.segment].token_ids
+                out += ids if span.kind is SegmentKind.PROMPT else ids[: span.private_tokens]
+            return out
         tokens = self.real_token_ids()
         out: list[int] = []
         for spec in self.blocks:
@@ -196,6 +206,8 @@ class Layout:
 
     def num_in_context(self) -> int:
         """How many real tokens are computed in the request's context."""
+        if self.packed:
+            return self.num_private_tokens
         return sum(s.num_valid for s in self.blocks if s.kind is not BlockKind.CHUNK_SHARED)
 
     def real_slots(self) -> list[int]:
@@ -237,37 +249,48 @@ def build_layout(
     """
     last = _check_segments(segments, block_size, allow_trailing_chunk)
     spans: list[SegmentSpan] = []
-    blocks: list[BlockSpec] = []
-    position = 0
+    num_blocks = position = 0
     for i, seg in enumerate(segments):
         n = len(seg.token_ids)
         if n == 0:
             raise LayoutError(f"segment {i} ({seg.kind.value}) is empty")
-        first_block = len(blocks)
-        if seg.kind is SegmentKind.CHUNK:
-            num_blocks = -(-n // block_size)
-            pad = num_blocks * block_size - n
-            blocks.append(
-                BlockSpec(first_block, BlockKind.CHUNK_FIRST, i, pad, block_size, position)
-            )
-            pos = position + block_size - pad
-            for b in range(1, num_blocks):
-                blocks.append(
-                    BlockSpec(first_block + b, BlockKind.CHUNK_SHARED, i, 0, block_size, pos)
-                )
-                pos += block_size
-        else:
-            num_blocks = -(-n // block_size)
-            pad = num_blocks * block_size - n if i < last else 0
-            for b in range(num_blocks):
-                start = b * block_size
-                valid_end = min(block_size, n - start)
-                blocks.append(
-                    BlockSpec(first_block + b, BlockKind.PROMPT, i, 0, valid_end, position + start)
-                )
-        spans.append(SegmentSpan(i, seg.kind, first_block, num_blocks, pad, position, n))
+        nb = -(-n // block_size)
+        pad = nb * block_size - n if seg.kind is SegmentKind.CHUNK or i < last else 0
+        spans.append(SegmentSpan(i, seg.kind, num_blocks, nb, pad, position, n))
+        num_blocks += nb
         position += n
-    return Layout(block_size, tuple(segments), tuple(spans), tuple(blocks))
+    # Chunk blocks end full; a prompt's last block ends at its last token.
+    final = spans[-1]
+    tail = (
+        block_size
+        if final.kind is SegmentKind.CHUNK
+        else final.num_tokens - ((final.num_blocks - 1) * block_size)
+    )
+    return Layout(
+        block_size, tuple(segments), tuple(spans), num_blocks, (num_blocks - 1) * block_size + tail
+    )
+
+
+def _padded_entries(layout: Layout) -> tuple[BlockSpec, ...]:
+    """The padded layout's blocks, from its spans."""
+    bs = layout.block_size
+    blocks: list[BlockSpec] = []
+    for span in layout.spans:
+        first, i, position = span.first_block, span.segment, span.first_position
+        if span.kind is SegmentKind.CHUNK:
+            blocks.append(BlockSpec(first, BlockKind.CHUNK_FIRST, i, span.pad, bs, position))
+            pos = position + bs - span.pad
+            blocks += [
+                BlockSpec(first + b, BlockKind.CHUNK_SHARED, i, 0, bs, pos + (b - 1) * bs)
+                for b in range(1, span.num_blocks)
+            ]
+        else:
+            n = span.num_tokens
+            blocks += [
+                BlockSpec(first + b, BlockKind.PROMPT, i, 0, min(bs, n - b * bs), position + b * bs)
+                for b in range(span.num_blocks)
+            ]
+    return tuple(blocks)
 
 
 def shared_entries(num_shared_tokens: int, block_size: int) -> int:
@@ -292,92 +315,117 @@ def build_packed_layout(
     and packed back to back with other chunks'. Without ``offsets`` (before the chunk cache has
     placed the chunks) every chunk gets the entries of its worst start slot (``shared_entries``),
     the trailing ones empty: the table size a request is admitted against. Prompt tokens and
-    private chunk
-    tokens form the request's *private stream*, packed densely into its private blocks: in-context
-    token ``i`` sits in private block ``i // B``, slot ``i % B``.
+    private chunk tokens form the request's *private stream*, packed densely into its private
+    blocks: in-context token ``i`` sits in private block ``i // B``, slot ``i % B``.
 
     Table entries follow logical order; each is one contiguous slot range of one physical block,
     so a private block appears once per run of the stream that a chunk's canonical tokens
     interrupt, and every chunk contributes one entry per block its canonical tokens touch.
+
+    Only the counts are computed here, per segment; the entries are built on first use
+    (``_packed_entries``).
     """
     bs = block_size
     _check_segments(segments, bs, allow_trailing_chunk)
     num_chunks = sum(1 for seg in segments if seg.kind is SegmentKind.CHUNK)
     placed = offsets is not None
-    offsets = list(offsets) if offsets is not None else [0] * num_chunks
+    offsets = tuple(offsets) if offsets is not None else (0,) * num_chunks
     if len(private_tokens) != num_chunks or len(offsets) != num_chunks:
         raise LayoutError(
             f"{num_chunks} chunks but {len(private_tokens)} private counts / {len(offsets)} offsets"
         )
-    entries: list[BlockSpec] = []
     spans: list[SegmentSpan] = []
     stream = 0  # tokens of the private stream placed so far
+    entries = 0  # table entries so far
+    last_private = False  # is the last entry a private run (that the stream may extend)?
+    tail = 0  # valid_end of the last entry
     position = 0
-
-    def place_private(count: int, segment: int) -> int:
-        """Append ``count`` tokens to the private stream; the entry of the first one."""
-        nonlocal stream
-        pos = position
-        first = len(entries)
-        while count > 0:
-            p, slot = divmod(stream, bs)
-            take = min(count, bs - slot)
-            prev = entries[-1] if entries else None
-            if prev is not None and prev.private_block == p and prev.valid_end == slot:
-                prev.valid_end = slot + take  # the run goes on in the same block
-                if pos == position:
-                    first = prev.index
-            else:
-                entries.append(
-                    BlockSpec(len(entries), BlockKind.PRIVATE, segment, slot, slot + take, pos, p)
-                )
-            stream, pos, count = stream + take, pos + take, count - take
-        return first
-
     chunk = 0
     for i, seg in enumerate(segments):
         n = len(seg.token_ids)
         if n == 0:
             raise LayoutError(f"segment {i} ({seg.kind.value}) is empty")
-        first_entry = len(entries)
+        k = n
+        if seg.kind is SegmentKind.CHUNK:
+            k, offset = private_tokens[chunk], offsets[chunk]
+            chunk += 1
+            if not 0 <= k <= n:
+                raise LayoutError(f"chunk segment {i}: {k} private tokens of {n}")
+            if not 0 <= offset < bs:
+                raise LayoutError(f"chunk segment {i}: start slot {offset} outside a block of {bs}")
+        first_entry = entries
+        if k:  # k private tokens: a run goes on in the last entry if that one ends at the stream
+            touched = (stream + k - 1) // bs - stream // bs + 1
+            if last_private and stream % bs:
+                first_entry, touched = entries - 1, touched - 1
+            entries += touched
+            stream += k
+            last_private, tail = True, (stream - 1) % bs + 1
         if seg.kind is SegmentKind.PROMPT:
-            first_entry = place_private(n, i)
-            spans.append(SegmentSpan(i, seg.kind, first_entry, len(entries) - first_entry, 0,
+            spans.append(SegmentSpan(i, seg.kind, first_entry, entries - first_entry, 0,
                                      position, n))  # fmt: skip
             position += n
             continue
-        k, offset = private_tokens[chunk], offsets[chunk]
-        chunk += 1
-        if not 0 <= k <= n:
-            raise LayoutError(f"chunk segment {i}: {k} private tokens of {n}")
-        if not 0 <= offset < bs:
-            raise LayoutError(f"chunk segment {i}: start slot {offset} outside a block of {bs}")
-        if k:
-            first_entry = place_private(k, i)
         m = n - k
-        shared_first = len(entries)
-        base = position + k
         count = -(-(offset + m) // bs) if placed else shared_entries(m, bs)
-        for j in range(count):
+        if count:
+            end = min(bs, offset + m - (count - 1) * bs)
+            last_private, tail = False, end if end > (offset if count == 1 else 0) else 0
+        spans.append(
+            SegmentSpan(
+                i, seg.kind, first_entry, entries + count - first_entry, 0, position, n,
+                private_tokens=k, shared_first=entries, num_shared=count,
+            )
+        )  # fmt: skip
+        entries += count
+        position += n
+    return Layout(
+        bs, tuple(segments), tuple(spans), entries, (entries - 1) * bs + tail, packed=True,
+        num_private_blocks=-(-stream // bs), num_private_tokens=stream, offsets=offsets,
+    )  # fmt: skip
+
+
+def _packed_entries(layout: Layout) -> tuple[BlockSpec, ...]:
+    """The packed layout's table entries, from its spans and chunk offsets."""
+    bs = layout.block_size
+    entries: list[BlockSpec] = []
+    stream = 0
+    chunk = 0
+    for span in layout.spans:
+        i, pos = span.segment, span.first_position
+        count = span.num_tokens if span.kind is SegmentKind.PROMPT else span.private_tokens
+        while count > 0:  # the private run, one entry per private block it touches
+            p, slot = divmod(stream, bs)
+            take = min(count, bs - slot)
+            prev = entries[-1] if entries else None
+            if prev is not None and prev.private_block == p and prev.valid_end == slot:
+                prev.valid_end = slot + take  # the run goes on in the same block
+            else:
+                entries.append(
+                    BlockSpec(len(entries), BlockKind.PRIVATE, i, slot, slot + take, pos, p)
+                )
+            stream, pos, count = stream + take, pos + take, count - take
+        if span.kind is SegmentKind.PROMPT:
+            continue
+        offset, m = layout.offsets[chunk], span.num_tokens - span.private_tokens
+        chunk += 1
+        base = span.first_position + span.private_tokens - offset
+        for j in range(span.num_shared):
             start = offset if j == 0 else 0
             end = min(bs, offset + m - j * bs)
             if end <= start:  # the chunk ends before this entry: an empty one
                 start = end = 0
-            pos = base + j * bs + start - offset
             entries.append(
-                BlockSpec(len(entries), BlockKind.CHUNK_SHARED, i, start, end, pos, -1, j)
-            )
-        spans.append(
-            SegmentSpan(
-                i, seg.kind, first_entry, len(entries) - first_entry, 0, position, n,
-                private_tokens=k, shared_first=shared_first, num_shared=len(entries) - shared_first,
-            )
-        )  # fmt: skip
-        position += n
-    return Layout(
-        bs, tuple(segments), tuple(spans), tuple(entries), packed=True,
-        num_private_blocks=-(-stream // bs),
-    )  # fmt: skip
+                BlockSpec(
+                    len(entries), BlockKind.CHUNK_SHARED, i, start, end, base + j * bs + start,
+                    -1, j,
+                )
+            )  # fmt: skip
+    return tuple(entries)
+
+
+# A dict lookup: calling the enum (``SegmentKind(kind)``) costs several times more, per segment.
+_KINDS: dict[object, SegmentKind] = {k.value: k for k in SegmentKind}
 
 
 def parse_segment_lengths(raw: object) -> list[tuple[SegmentKind, int]]:
@@ -398,11 +446,13 @@ def parse_segment_lengths(raw: object) -> list[tuple[SegmentKind, int]]:
             raise LayoutError(f"{EXTRA_ARGS_KEY}[{i}] must be a [kind, length] pair, got {item!r}")
         kind, length = item
         try:
-            seg_kind = SegmentKind(kind)
-        except ValueError:
+            seg_kind = _KINDS.get(kind)
+        except TypeError:  # unhashable
+            seg_kind = None
+        if seg_kind is None:
             raise LayoutError(
                 f"{EXTRA_ARGS_KEY}[{i}] kind must be 'prompt' or 'chunk', got {kind!r}"
-            ) from None
+            )
         if not isinstance(length, int) or isinstance(length, bool) or length < 0:
             raise LayoutError(f"{EXTRA_ARGS_KEY}[{i}] length must be an int >= 0, got {length!r}")
         out.append((seg_kind, length))
