@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 # Stored in pad slots of vLLM's token ids. Its value never matters: pads are masked everywhere.
@@ -133,6 +133,13 @@ class Layout:
     num_private_blocks: int = 0  # packed: physical blocks of the private stream
     num_private_tokens: int = 0  # packed: length of the private stream
     offsets: tuple[int, ...] = ()  # packed: start slot of each chunk's canonical tokens
+    chunk_spans: tuple[SegmentSpan, ...] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Set here, not a cached_property: that one takes a lock on first use (Python 3.11),
+        # and every request's layouts are asked for their chunks.
+        chunks = tuple(s for s in self.spans if s.kind is SegmentKind.CHUNK)
+        object.__setattr__(self, "chunk_spans", chunks)
 
     @cached_property
     def blocks(self) -> tuple[BlockSpec, ...]:
@@ -141,10 +148,6 @@ class Layout:
     @property
     def num_real_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.segments)
-
-    @cached_property
-    def chunk_spans(self) -> tuple[SegmentSpan, ...]:
-        return tuple(s for s in self.spans if s.kind is SegmentKind.CHUNK)
 
     def chunk_tokens(self, span: SegmentSpan) -> tuple[int, ...]:
         return self.segments[span.segment].token_ids
