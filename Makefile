@@ -36,7 +36,9 @@ lint: setup
 
 # The Ascend environment is made (first run: ~3 min, mostly downloads) while the main suite runs;
 # its log is printed only if making it fails. The exit status is the first failure's.
+# The CPU kernel is (re)built first if csrc/ changed, so no engine test pays for the build.
 test: setup lint
+	@$(PY) -m ascend_mepic.ops.cpu_kernel >/dev/null || echo "WARNING: the native CPU kernel did not build"
 	@scripts/test_ascend.sh --prepare > .venv-ascend-prepare.log 2>&1 & prep=$$!; \
 	$(VENV)/bin/pytest -q tests; main=$$?; \
 	if ! wait $$prep; then cat .venv-ascend-prepare.log; exit 1; fi; \
