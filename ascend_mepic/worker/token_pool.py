@@ -173,16 +173,19 @@ class TokenMapPool:
             new[: len(old)] = old
             setattr(self, name, new)
 
+    def _widen(self, names: tuple[str, ...], width: int) -> None:
+        """Give the named tables ``width`` columns, keeping their contents."""
+        for name in names:
+            table = getattr(self, name)
+            grown = np.zeros((len(table), width), dtype=table.dtype)
+            grown[:, : table.shape[1]] = table
+            setattr(self, name, grown)
+
     def _grow_tokens(self, width: int) -> None:
         old = self.token_padded.shape[1]
         if width <= old:
             return
-        width = max(width, 2 * old)
-        for name in ("token_padded", "token_position", "token_in_chunk"):
-            table = getattr(self, name)
-            grown = np.zeros((len(table), width), dtype=table.dtype)
-            grown[:, :old] = table
-            setattr(self, name, grown)
+        self._widen(("token_padded", "token_position", "token_in_chunk"), max(width, 2 * old))
 
     def _grow_entries(self, width: int) -> None:
         """Widen the entry tables; every row's new entries are past its layout (decode)."""
@@ -190,11 +193,7 @@ class TokenMapPool:
         if width <= old:
             return
         width = max(width, 2 * old)
-        for name in ("first_pos", "valid_start", "valid_end"):
-            table = getattr(self, name)
-            grown = np.zeros((len(table), width), dtype=table.dtype)
-            grown[:, :old] = table
-            setattr(self, name, grown)
+        self._widen(("first_pos", "valid_start", "valid_end"), width)
         self._continue_entries(np.arange(len(self.first_pos)), old)
         self._live = np.tri(width + 1, width, -1, dtype=np.int32)
 
