@@ -58,6 +58,12 @@ def check_conservation(m: MepicKVCacheManager):
     for b in pool.blocks[1:]:
         assert b.ref_cnt == holders.get(b.block_id, 0), (b.block_id, b.ref_cnt)
         assert (b.block_id in free_ids) == (b.ref_cnt == 0)
+    assert m.chunk_cache.num_pinned_blocks() == num_pinned_blocks(m)
+
+
+def num_pinned_blocks(m: MepicKVCacheManager) -> int:
+    """Distinct blocks holding a pinned chunk, counted over every chunk."""
+    return len({b.block_id for e in m.chunk_cache.entries.values() if e.pinned for b in e.blocks})
 
 
 def canonical_ids(m, rid: str, span_index: int) -> list[int]:
@@ -423,4 +429,42 @@ def test_pinned_chunks_are_never_evicted_until_unpinned():
     assert not entry.pinned and entry in m.chunk_cache.lru
     assert admit(m, too_big) is not None  # now the idle chunk can go
     assert m.chunk_cache.stats.evictions == 1
+    check_conservation(m)
+
+
+def test_pinned_block_count_follows_pins_moves_and_drops():
+    from ascend_mepic.core.segments import PIN_KEY
+
+    m = build_manager("mepic", 64, B)
+    c1, c2, c3 = chunk(1, 16 + 40), chunk(2, 16 + 40), chunk(3, 16 + 40)
+
+    def request(rid, c, first, pin=False):
+        r = make_request(rid, [Segment.prompt([first]), c, Segment.prompt([7])], B)
+        if pin:
+            r.sampling_params.extra_args[PIN_KEY] = 1
+        return r
+
+    # A pinned chunk dropped before its compile ran takes its pinned blocks with it.
+    r = request("dropped", c1, 1, pin=True)
+    admit(m, r)
+    assert m.chunk_cache.num_pinned_blocks() == num_pinned_blocks(m) > 0
+    finish(m, r, RequestStatus.FINISHED_ABORTED)
+    assert m.chunk_cache.num_pinned_blocks() == num_pinned_blocks(m) == 0
+    # A pinned chunk left idle, then moved when used again: its new blocks are the pinned ones.
+    for i, (c, pin) in enumerate(((c1, True), (c2, False))):
+        r = request(f"r{i}", c, i + 1, pin)
+        admit(m, r)
+        m.new_step_starts()
+        finish(m, r)
+    pinned = m.chunk_cache.num_pinned_blocks()
+    assert pinned == num_pinned_blocks(m) > 0
+    admit(m, request("live", c3, 5))
+    m.new_step_starts()
+    admit(m, request("again", c1, 3))
+    assert m.chunk_cache.stats.moves == 1
+    assert m.chunk_cache.num_pinned_blocks() == num_pinned_blocks(m) == pinned
+    check_conservation(m)
+    assert m.unpin_chunks(request("unpin", c1, 1)) == 1
+    assert m.chunk_cache.num_pinned_blocks() == num_pinned_blocks(m) == 0
+    m.new_step_starts()
     check_conservation(m)

@@ -162,6 +162,9 @@ class ChunkCache:
         self.lru = ChunkLRU()
         self.stats = ChunkCacheStats()
         self._pending: list[ChunkEntry] = []
+        # Block id -> pinned chunks stored in it: read at every request's arrival, so kept as
+        # chunks are pinned, unpinned, moved or dropped rather than counted over every chunk.
+        self._pinned: Counter[int] = Counter()
 
     def lookup(self, chunk_id: ChunkId) -> ChunkEntry | None:
         return self.entries.get(chunk_id)
@@ -199,6 +202,8 @@ class ChunkCache:
         return entry
 
     def _free(self, entry: ChunkEntry) -> None:
+        if entry.pinned:  # a pinned chunk dropped before its compile ran, or a failed load
+            self._count_pinned(entry.blocks, -1)
         self._unrecord(entry.blocks)
         self.block_pool.free_blocks(entry.blocks)
         self.arena.forget_freed()
@@ -242,8 +247,12 @@ class ChunkCache:
         assert entry.refs == 0 and entry.state is ChunkState.READY
         old = (entry.blocks, entry.offset)
         self._unrecord(entry.blocks)
+        if entry.pinned:
+            self._count_pinned(entry.blocks, -1)
         entry.blocks, entry.offset = self.arena.place(entry.num_canonical, tenant)
         self.residents.update(b.block_id for b in entry.blocks)
+        if entry.pinned:
+            self._count_pinned(entry.blocks, 1)
         self.stats.moves += 1
         return old
 
@@ -287,11 +296,14 @@ class ChunkCache:
 
     def pin(self, entry: ChunkEntry) -> None:
         self.lru.discard(entry)
+        if not entry.pinned:
+            self._count_pinned(entry.blocks, 1)
         entry.pinned = True
 
     def unpin(self, entry: ChunkEntry) -> None:
         if not entry.pinned:
             return
+        self._count_pinned(entry.blocks, -1)
         entry.pinned = False
         if entry.refs == 0:
             self.lru.add(entry)
@@ -327,8 +339,18 @@ class ChunkCache:
         idle = {b.block_id for e in self.lru.oldest_first() for b in e.blocks}
         return len(idle - live)
 
+    def _count_pinned(self, blocks: list[KVCacheBlock], delta: int) -> None:
+        pinned = self._pinned
+        for b in blocks:
+            n = pinned[b.block_id] + delta
+            if n:
+                pinned[b.block_id] = n
+            else:
+                del pinned[b.block_id]
+
     def num_pinned_blocks(self) -> int:
-        return len({b.block_id for e in self.entries.values() if e.pinned for b in e.blocks})
+        """Distinct blocks holding a pinned chunk (kept up to date, not counted here)."""
+        return len(self._pinned)
 
     def slot_utilisation(self) -> float:
         """Canonical tokens stored / slots of the blocks holding them (1.0: no padding)."""
