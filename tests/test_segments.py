@@ -8,6 +8,7 @@ from ascend_mepic.core.identity import chunk_identity
 from ascend_mepic.core.markers import MarkerError, Markers, segments_from_text, split_marked_text
 from ascend_mepic.core.segments import (
     BlockKind,
+    Layout,
     LayoutError,
     Segment,
     SegmentKind,
@@ -64,6 +65,13 @@ def test_packed_counts_match_entries(segments, bs, data):
     offsets = data.draw(st.one_of(st.none(), st.lists(st.integers(0, bs - 1), min_size=len(sizes),
                                                       max_size=len(sizes))))  # fmt: skip
     layout = build_packed_layout(segments, bs, private, offsets)
+    # Built without the dataclass's __init__: the same fields as one built with it.
+    same = Layout(
+        layout.block_size, layout.segments, layout.spans, layout.num_blocks,
+        layout.num_padded_tokens, packed=True, num_private_blocks=layout.num_private_blocks,
+        num_private_tokens=layout.num_private_tokens, offsets=layout.offsets,
+    )  # fmt: skip
+    assert vars(layout) == vars(same) and layout == same and hash(layout) == hash(same)
     blocks = layout.blocks
     assert [b.index for b in blocks] == list(range(layout.num_blocks))
     assert layout.num_padded_tokens == blocks[-1].index * bs + blocks[-1].valid_end
