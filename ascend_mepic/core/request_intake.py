@@ -168,12 +168,16 @@ def packed_block_hashes(
     named: list[list[tuple[Any, ...]]] = [[] for _ in range(num_full - first)]
     done = 0
     for span in layout.spans:
-        chunk = span.kind is SegmentKind.CHUNK
         p = max(done // bs, first) - first
-        if p < len(named):
-            named[p].append((span.kind.value, span.num_tokens, span.private_tokens,
-                             chunk_ids.get(span.segment) if chunk else None))  # fmt: skip
-        done += span.private_tokens if chunk else span.num_tokens
+        if span.kind is SegmentKind.CHUNK:
+            if p < len(named):
+                named[p].append(("chunk", span.num_tokens, span.private_tokens,
+                                 chunk_ids.get(span.segment)))  # fmt: skip
+            done += span.private_tokens
+        else:
+            if p < len(named):
+                named[p].append(("prompt", span.num_tokens, span.private_tokens, None))
+            done += span.num_tokens
     parent: BlockHash | None = hashes[-1] if hashes else None
     for p, new in enumerate(named, first):
         extra: tuple[Any, ...] = (policy, "packed", tuple(new))
@@ -226,20 +230,22 @@ class RequestIntake:
             raise MepicUnsupportedError("prompt logprobs are not supported for MEPIC requests")
         if request.num_computed_tokens or request.num_output_tokens:
             raise MepicUnsupportedError("a MEPIC request must be registered before it runs")
-        segments = segments_from_real(list(request.prompt_token_ids or []), extra[EXTRA_ARGS_KEY])
-        policy = self.settings.policy
+        segments = segments_from_real(request.prompt_token_ids or [], extra[EXTRA_ARGS_KEY])
+        policy, bs = self.settings.policy, self.block_size
+        packed, fingerprint, salt = policy.packed, self.model_fingerprint, request.cache_salt
         chunk_ids: dict[int, ChunkId | None] = {}
+        counts: list[int] = []  # per chunk, its tokens in the private stream (``layout_for``)
         for i, seg in enumerate(segments):
             if seg.kind is SegmentKind.CHUNK:
-                cached = policy.chunk_is_cached(len(seg.token_ids), self.block_size)
+                n = len(seg.token_ids)
+                # Shared placement: a chunk is cached if tokens are left after its private ones.
+                k = policy.private_tokens(n, bs) if packed else n
+                cached = k < n if packed else policy.placement is not Placement.NONE
                 chunk_ids[i] = (
-                    chunk_identity(
-                        seg.token_ids, self.block_size, self.model_fingerprint, request.cache_salt
-                    )
-                    if cached
-                    else None
+                    chunk_identity(seg.token_ids, bs, fingerprint, salt) if cached else None
                 )
-        layout = self.layout_for(segments, chunk_ids)
+                counts.append(k if cached else n)
+        layout = build_packed_layout(segments, bs, counts)
         if layout.num_padded_tokens >= self.max_model_len:
             raise MepicCapacityError(
                 f"the prompt's block table ({layout.num_blocks} entries of {self.block_size} "
@@ -247,11 +253,10 @@ class RequestIntake:
             )
         self.room.check_request(layout, chunk_ids)
         private = policy.placement is Placement.PRIVATE
-        if policy.packed:  # private blocks, canonical blocks of every chunk, compile scratch
-            worst_case = layout.num_private_blocks + sum(
-                -(-sp.private_tokens // self.block_size) + sp.num_shared
-                for sp in layout.chunk_spans
-            )
+        if packed:  # private blocks, canonical blocks of every chunk, compile scratch
+            worst_case = layout.num_private_blocks
+            for sp in layout.chunk_spans:
+                worst_case += -(-sp.private_tokens // bs) + sp.num_shared
         else:
             worst_case = layout.num_blocks + (
                 1 if private else sum(1 for c in chunk_ids.values() if c is not None)

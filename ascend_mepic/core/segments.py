@@ -223,7 +223,7 @@ class Layout:
 
     def segment_lengths(self) -> list[list]:
         """The compact description that travels in ``extra_args[EXTRA_ARGS_KEY]``."""
-        return [[s.kind.value, len(s.token_ids)] for s in self.segments]
+        return [[KIND_VALUES[s.kind], len(s.token_ids)] for s in self.segments]
 
 
 def _check_segments(
@@ -463,6 +463,8 @@ def _packed_entries(layout: Layout) -> tuple[BlockSpec, ...]:
 
 # A dict lookup: calling the enum (``SegmentKind(kind)``) costs several times more, per segment.
 _KINDS: dict[object, SegmentKind] = {k.value: k for k in SegmentKind}
+# The other way: an enum's ``.value`` is a descriptor, several times a dict lookup.
+KIND_VALUES: dict[SegmentKind, str] = {k: k.value for k in SegmentKind}
 
 
 def parse_segment_lengths(raw: object) -> list[tuple[SegmentKind, int]]:
