@@ -230,11 +230,10 @@ class Admission:
         self.recent_chunk_blocks.append(
             (
                 request.request_id,
-                [
-                    [
-                        table[i].block_id
-                        for i in range(sp.shared_first, sp.shared_first + sp.num_shared)
-                    ]
+                [  # each chunk's canonical blocks, as the table lists them
+                    [b.block_id for b in reused[sp.segment].blocks[: sp.num_shared]]
+                    if sp.num_shared
+                    else []
                     for sp in layout.chunk_spans
                 ],
             )
@@ -253,7 +252,8 @@ class Admission:
         evicting. The old blocks are held (as scratch) until the step that copies them ran."""
         seen: set[int] = set()
         for entry in reused.values():
-            if id(entry) in seen:
+            # In use (most reused chunks) or not ready: never moved (``worth_moving``).
+            if entry.refs or entry.state is not ChunkState.READY or id(entry) in seen:
                 continue
             seen.add(id(entry))
             cost = self.chunk_cache.arena.new_blocks_bound(entry.num_canonical)
