@@ -393,7 +393,7 @@ class Admission:
             num_cached,
             num_full,
             self.block_size,
-            [True] * (num_full - num_cached),
+            None,  # every private block (a packed table's shared blocks are not in this list)
         )
         set_num_cached_blocks(self.tables, rid, num_full)
 

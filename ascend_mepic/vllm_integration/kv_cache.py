@@ -113,10 +113,10 @@ def cache_private_blocks(
     num_cached_blocks: int,
     num_full_blocks: int,
     block_size: int,
-    private: list[bool],
+    private: list[bool] | None,
 ) -> None:
     """Insert a request's full blocks ``[num_cached_blocks, num_full_blocks)`` into the prefix
-    cache, only those marked ``private``.
+    cache, only those marked ``private`` (None: every one of them).
 
     Why: a request's table also holds canonical chunk blocks that belong to the chunk cache and
     to other requests; they must never get this request's hash. ``cache_full_blocks`` skips the
