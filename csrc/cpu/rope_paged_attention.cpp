@@ -65,6 +65,28 @@ inline void rotate_into(const T* __restrict src, float* __restrict dst, const fl
   }
 }
 
+// dst = R(-p) src for the position p of cos/sin row `cs`: src turned back by p.
+inline void rotate_back(const float* __restrict src, float* __restrict dst,
+                        const float* __restrict cs, int64_t d, bool neox) {
+  const int64_t half = d / 2;
+  const float* cosv = cs;
+  const float* sinv = cs + half;
+  if (neox) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = src[i], b = src[i + half];
+      dst[i] = a * cosv[i] + b * sinv[i];
+      dst[i + half] = b * cosv[i] - a * sinv[i];
+    }
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = src[2 * i], b = src[2 * i + 1];
+      dst[2 * i] = a * cosv[i] + b * sinv[i];
+      dst[2 * i + 1] = b * cosv[i] - a * sinv[i];
+    }
+  }
+}
+
 // exp(x) for x <= 0 (scores minus their running maximum), in a form the compiler vectorises
 // (libm's expf is a scalar call): 2^(x log2 e) = 2^i * 2^f with i the nearest integer, so
 // |f| <= 1/2, and 2^f by its degree-6 Taylor polynomial (relative error about 1e-7, float
@@ -145,9 +167,9 @@ constexpr int64_t KEY_CHUNK = 64;
 // Scratch of one thread: rotated queries, a chunk of rotated keys and of values (row-major),
 // the chunk's scores.
 struct Scratch {
-  std::vector<float> q, k, v, s;
+  std::vector<float> q, qc, k, v, s;
   Scratch(int64_t rows, int64_t d)
-      : q(rows * d), k(KEY_CHUNK * d), v(KEY_CHUNK * d), s(rows * KEY_CHUNK) {}
+      : q(rows * d), qc(rows * d), k(KEY_CHUNK * d), v(KEY_CHUNK * d), s(rows * KEY_CHUNK) {}
 };
 
 // Asks for rows [r0, r1) of one head of the next block-table entry while this one is computed:
@@ -202,18 +224,25 @@ inline void score_tile(const float* __restrict q, const float* __restrict k, int
   }
 }
 
-// acc[r] += sum_c p[r][c] * v[c] for ROWS rows over keys [0, n); v rows are v_stride apart.
-// The head dimension goes 32 floats at a time (8 when d is not a multiple of 32), with the
-// tile's accumulators in registers across all n keys.
-template <int W>
-inline void pv_slice(const float* __restrict p, const float* __restrict v, int64_t v_stride,
+// Eight floats from eight float32 or bfloat16 elements (bfloat16 is float32's upper half).
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const at::BFloat16* x) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// acc[r] += sum_c p[r][c] * v[c] for ROWS rows over keys [0, n); v rows are v_stride apart,
+// read in place (bfloat16 widened in registers). The head dimension goes 32 floats at a time
+// (8 when d is not a multiple of 32), with the tile's accumulators in registers across all n keys.
+template <int W, typename VT>
+inline void pv_slice(const float* __restrict p, const VT* __restrict v, int64_t v_stride,
                      int64_t n, int64_t d, int64_t x0, float* __restrict acc_rows) {
   __m256 acc[ROWS][W];
   for (int r = 0; r < ROWS; ++r)
     for (int j = 0; j < W; ++j) acc[r][j] = _mm256_loadu_ps(acc_rows + r * d + x0 + 8 * j);
   for (int64_t c = 0; c < n; ++c) {
     __m256 vv[W];
-    for (int j = 0; j < W; ++j) vv[j] = _mm256_loadu_ps(v + c * v_stride + x0 + 8 * j);
+    for (int j = 0; j < W; ++j) vv[j] = load8(v + c * v_stride + x0 + 8 * j);
     for (int r = 0; r < ROWS; ++r) {
       const __m256 pr = _mm256_broadcast_ss(p + r * KEY_CHUNK + c);
       for (int j = 0; j < W; ++j) acc[r][j] = _mm256_fmadd_ps(pr, vv[j], acc[r][j]);
@@ -221,6 +250,43 @@ inline void pv_slice(const float* __restrict p, const float* __restrict v, int64
   }
   for (int r = 0; r < ROWS; ++r)
     for (int j = 0; j < W; ++j) _mm256_storeu_ps(acc_rows + r * d + x0 + 8 * j, acc[r][j]);
+}
+
+// Scores of ROWS rows against keys [0, n) read in place from the cache (rows ks apart, any
+// dtype) and rotated in registers, NeoX halves: key c is turned by cos/sin row c (the caller
+// has turned the rows back by the chunk's first position). n is rounded up to 4; keys past n
+// repeat the last one (their scores are never read). half = d / 2, a multiple of 8.
+template <typename KT>
+inline void score_tile_rope(const float* __restrict q, const KT* __restrict k, int64_t ks,
+                            const float* __restrict cos_sin, int64_t cs_stride, int64_t n,
+                            int64_t d, float* __restrict s) {
+  const int64_t half = d / 2;
+  for (int64_t c = 0; c < n; c += 4) {
+    __m256 acc[ROWS][4];
+    for (int r = 0; r < ROWS; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+    const KT* kr[4];
+    const float* cr[4];
+    for (int j = 0; j < 4; ++j) {
+      const int64_t key = std::min<int64_t>(c + j, n - 1);
+      kr[j] = k + key * ks;
+      cr[j] = cos_sin + key * cs_stride;
+    }
+    for (int64_t x = 0; x < half; x += 8) {
+      for (int j = 0; j < 4; ++j) {
+        const __m256 lo = load8(kr[j] + x), hi = load8(kr[j] + half + x);
+        const __m256 cv = _mm256_loadu_ps(cr[j] + x), sv = _mm256_loadu_ps(cr[j] + half + x);
+        const __m256 rlo = _mm256_fnmadd_ps(hi, sv, _mm256_mul_ps(lo, cv));
+        const __m256 rhi = _mm256_fmadd_ps(lo, sv, _mm256_mul_ps(hi, cv));
+        for (int r = 0; r < ROWS; ++r) {
+          acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + x), rlo, acc[r][j]);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + half + x), rhi, acc[r][j]);
+        }
+      }
+    }
+    for (int r = 0; r < ROWS; ++r)
+      _mm_storeu_ps(s + r * KEY_CHUNK + c, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+  }
 }
 
 // exp(x) for eight x <= 0: exp_nonpositive's method, in AVX2.
@@ -279,7 +345,8 @@ inline float exp_shifted(float* x, int64_t n, float shift) {
   return total;
 }
 
-inline void pv_tile(const float* p, const float* v, int64_t v_stride, int64_t n, int64_t d,
+template <typename VT>
+inline void pv_tile(const float* p, const VT* v, int64_t v_stride, int64_t n, int64_t d,
                     float* acc_rows) {
   int64_t x0 = 0;
   for (; x0 + 32 <= d; x0 += 32) pv_slice<4>(p, v, v_stride, n, d, x0, acc_rows);
@@ -317,12 +384,17 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
 #else
   const bool tiled = false;
 #endif
+  // One row tile (decode: a query times a GQA group of at most ROWS) with NeoX halves: keys are
+  // rotated in registers inside the score loop, no scratch copy.
+  const bool fused = tiled && neox && d % 16 == 0 && padded == ROWS;
   float* q = sc.q.data();
+  float* qc = sc.qc.data();
   float* kb = sc.k.data();
   float* vb = sc.v.data();
   float* s = sc.s.data();
   int32_t max_idx = -1;
   std::fill(q, q + padded * d, 0.f);
+  std::fill(qc, qc + padded * d, 0.f);
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t t = w.q_begin + i;
     max_idx = std::max(max_idx, m.q_idx[t]);
@@ -347,39 +419,59 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
     if (v0 >= v1) continue;  // empty entry, or wholly after every query of the tile
     const int64_t blk = m.tables[meta_row + j];
     const int32_t first = m.first[meta_row + j];
-    if (j + 1 < w.entry_end) {
-      const int64_t next = m.tables[meta_row + j + 1];
-      const int32_t n0 = m.vstart[meta_row + j + 1], n1 = m.vend[meta_row + j + 1];
-      const int64_t off = next * cb + static_cast<int64_t>(w.kv_head) * ch;
-      prefetch_rows(k_ptr + off, n0, n1, cs, d);
-      prefetch_rows(v_ptr + off, n0, n1, cs, d);
-    }
     for (int32_t c0 = v0; c0 < v1; c0 += KEY_CHUNK) {
       const int64_t n = std::min<int64_t>(KEY_CHUNK, v1 - c0);
+      // Ask for the next chunk's rows of this head while this one is computed: a KV head's
+      // rows are strided in the cache (other heads between them), and decode waits on them.
+      if (c0 + KEY_CHUNK < v1) {
+        const int64_t off = blk * cb + static_cast<int64_t>(w.kv_head) * ch;
+        const int32_t e = static_cast<int32_t>(std::min<int64_t>(v1, c0 + 2 * KEY_CHUNK));
+        prefetch_rows(k_ptr + off, c0 + KEY_CHUNK, e, cs, d);
+        prefetch_rows(v_ptr + off, c0 + KEY_CHUNK, e, cs, d);
+      } else if (j + 1 < w.entry_end) {
+        const int64_t off = static_cast<int64_t>(m.tables[meta_row + j + 1]) * cb +
+                            static_cast<int64_t>(w.kv_head) * ch;
+        const int32_t n0 = m.vstart[meta_row + j + 1];
+        const int32_t n1 = std::min<int32_t>(m.vend[meta_row + j + 1], n0 + KEY_CHUNK);
+        prefetch_rows(k_ptr + off, n0, n1, cs, d);
+        prefetch_rows(v_ptr + off, n0, n1, cs, d);
+      }
       const int64_t n4 = (n + 3) / 4 * 4;
       const int64_t chunk_off = blk * cb + c0 * cs + static_cast<int64_t>(w.kv_head) * ch;
       const float* cs_chunk = cos_sin + static_cast<int64_t>(first + c0 - v0) * cs_stride;
-      for (int64_t c = 0; c < n; ++c) {
-        rotate_into(k_ptr + chunk_off + c * cs, kb + c * d, cs_chunk + c * cs_stride, d, neox);
+#ifdef MEPIC_CPU_AVX2
+      if (fused) {
+        // Key c sits at position p0 + c and R(p0 + c) = R(p0) R(c): the rows are turned back
+        // by p0 once per chunk, and each key by its offset c only, so the keys' cos/sin rows
+        // are the table's first KEY_CHUNK (cache-resident), not a fresh row per key.
+        for (int64_t r = 0; r < rows; ++r) rotate_back(q + r * d, qc + r * d, cs_chunk, d, true);
+        score_tile_rope(qc, k_ptr + chunk_off, cs, cos_sin, cs_stride, n, d, s);
       }
-      std::fill(kb + n * d, kb + n4 * d, 0.f);
-      // Value rows: read in place when the cache is float32, converted once per chunk otherwise.
+#endif
+      if (!fused) {
+        for (int64_t c = 0; c < n; ++c)
+          rotate_into(k_ptr + chunk_off + c * cs, kb + c * d, cs_chunk + c * cs_stride, d, neox);
+        std::fill(kb + n * d, kb + n4 * d, 0.f);
+        for (int64_t r = 0; r < padded; r += ROWS) {
+#ifdef MEPIC_CPU_AVX2
+          if (tiled) {
+            score_tile(q + r * d, kb, n4, d, s + r * KEY_CHUNK);
+            continue;
+          }
+#endif
+          score_tile_generic(q + r * d, kb, n, d, s + r * KEY_CHUNK);
+        }
+      }
+      // Value rows: the vectorised P.V reads them in place (bfloat16 widened in registers);
+      // the portable one takes float rows, converted once per chunk from a bfloat16 cache.
       const float* vrows = vb;
       int64_t v_stride = d;
       if constexpr (std::is_same_v<KT, float>) {
         vrows = v_ptr + chunk_off;
         v_stride = cs;
       } else {
-        for (int64_t c = 0; c < n; ++c) load_row(v_ptr + chunk_off + c * cs, vb + c * d, d);
-      }
-      for (int64_t r = 0; r < padded; r += ROWS) {
-#ifdef MEPIC_CPU_AVX2
-        if (tiled) {
-          score_tile(q + r * d, kb, n4, d, s + r * KEY_CHUNK);
-          continue;
-        }
-#endif
-        score_tile_generic(q + r * d, kb, n, d, s + r * KEY_CHUNK);
+        if (!tiled)
+          for (int64_t c = 0; c < n; ++c) load_row(v_ptr + chunk_off + c * cs, vb + c * d, d);
       }
       // Online softmax per row; causal in layout order (keys after the row's query hidden).
       for (int64_t r = 0; r < padded; ++r) {
@@ -425,7 +517,7 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
         if (reach == 0) continue;
 #ifdef MEPIC_CPU_AVX2
         if (tiled) {
-          pv_tile(s + r * KEY_CHUNK, vrows, v_stride, reach, d, out_rows + r * d);
+          pv_tile(s + r * KEY_CHUNK, v_ptr + chunk_off, cs, reach, d, out_rows + r * d);
           continue;
         }
 #endif

@@ -53,13 +53,17 @@ def test_matches_oracle_fp32(seed, block_size, heads, neox, decode, splits):
 
 
 @pytest.mark.parametrize("decode", [False, True])
-def test_bf16_cache_and_query(decode):
-    b = random_batch(4, 128, 8, 2, dtype=torch.bfloat16, decode=decode)
+@pytest.mark.parametrize("heads", [(8, 2), (9, 3)])
+@pytest.mark.parametrize("head", [32, 64])
+def test_bf16_cache_and_query(decode, heads, head):
+    """(9, 3) decode takes the fused path (keys rotated in registers, values widened there)."""
+    b = random_batch(4, 128, *heads, head=head, dtype=torch.bfloat16, decode=decode)
     check(run(b), b, 2e-2)
 
 
-def test_fp32_query_over_bf16_cache():
-    b = random_batch(5, 32, 6, 3)
+@pytest.mark.parametrize("decode", [False, True])
+def test_fp32_query_over_bf16_cache(decode):
+    b = random_batch(5, 32, 6, 3, decode=decode)
     cache = b.kv_cache.bfloat16()
     out = cpu_kernel.rope_paged_attention_cpu(b.query, cache, b.meta, b.rope, b.scale)
     want = rope_paged_attention_reference(b.query, cache.float(), b.meta, b.rope, b.scale)
