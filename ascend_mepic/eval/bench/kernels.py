@@ -134,14 +134,18 @@ class Case:
         )
 
 
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def _time(fns: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Median seconds per call of each function, timed in turns (one call of each per round),
+    so that a machine's drift (another job, frequency) falls on every kernel alike."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def run(
@@ -169,9 +173,14 @@ def run(
             diff = (case.run_mepic().float() - case.run_vllm().float()).abs().max().item()
             if diff > tol:
                 raise AssertionError(f"{kind} {name}: MEPIC and vLLM differ by {diff:.3g}")
-            vllm_s = _time(case.run_vllm, repeats)
-            mepic_s = _time(case.run_mepic, repeats)
-            reference_s = _time(case.run_reference, repeats) if with_reference else None
+            # A decode call takes milliseconds: more rounds for a stable median. The reference
+            # is timed apart: its large temporaries would evict the kernels' data between turns.
+            rounds = repeats * 20 if kind == "decode" else repeats
+            timed = _time({"vllm": case.run_vllm, "mepic": case.run_mepic}, rounds)
+            vllm_s, mepic_s = timed["vllm"], timed["mepic"]
+            reference_s = None
+            if with_reference:
+                reference_s = _time({"reference": case.run_reference}, repeats)["reference"]
             results[f"{kind}/{name}"] = {
                 "vllm_s": vllm_s,
                 "mepic_s": mepic_s,
@@ -232,7 +241,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timed rounds for prefill (x20 for decode)"
+    )
     p.add_argument(
         "--no-reference", action="store_true", help="skip timing the torch reference (slow)"
     )
