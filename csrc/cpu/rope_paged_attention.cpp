@@ -42,8 +42,9 @@ inline void load_row(const T* __restrict src, float* __restrict dst, int64_t d) 
 }
 
 // Reads row `src` (D elements), rotates it with a cos/sin row (cos in [0, D/2), sin in
-// [D/2, D)) and writes the float result to `dst`, in one pass.
-template <typename T>
+// [D/2, D)) and writes the float result to `dst`, in one pass. BACK turns it the other way:
+// R(-p) instead of R(p) for the row's position p.
+template <typename T, bool BACK = false>
 inline void rotate_into(const T* __restrict src, float* __restrict dst, const float* __restrict cs,
                         int64_t d, bool neox) {
   const int64_t half = d / 2;
@@ -53,36 +54,16 @@ inline void rotate_into(const T* __restrict src, float* __restrict dst, const fl
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
       const float a = static_cast<float>(src[i]), b = static_cast<float>(src[i + half]);
-      dst[i] = a * cosv[i] - b * sinv[i];
-      dst[i + half] = b * cosv[i] + a * sinv[i];
+      const float sn = BACK ? -sinv[i] : sinv[i];
+      dst[i] = a * cosv[i] - b * sn;
+      dst[i + half] = b * cosv[i] + a * sn;
     }
   } else {
     for (int64_t i = 0; i < half; ++i) {
       const float a = static_cast<float>(src[2 * i]), b = static_cast<float>(src[2 * i + 1]);
-      dst[2 * i] = a * cosv[i] - b * sinv[i];
-      dst[2 * i + 1] = b * cosv[i] + a * sinv[i];
-    }
-  }
-}
-
-// dst = R(-p) src for the position p of cos/sin row `cs`: src turned back by p.
-inline void rotate_back(const float* __restrict src, float* __restrict dst,
-                        const float* __restrict cs, int64_t d, bool neox) {
-  const int64_t half = d / 2;
-  const float* cosv = cs;
-  const float* sinv = cs + half;
-  if (neox) {
-#pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = src[i], b = src[i + half];
-      dst[i] = a * cosv[i] + b * sinv[i];
-      dst[i + half] = b * cosv[i] - a * sinv[i];
-    }
-  } else {
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = src[2 * i], b = src[2 * i + 1];
-      dst[2 * i] = a * cosv[i] + b * sinv[i];
-      dst[2 * i + 1] = b * cosv[i] - a * sinv[i];
+      const float sn = BACK ? -sinv[i] : sinv[i];
+      dst[2 * i] = a * cosv[i] - b * sn;
+      dst[2 * i + 1] = b * cosv[i] + a * sn;
     }
   }
 }
@@ -444,7 +425,8 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
         // Key c sits at position p0 + c and R(p0 + c) = R(p0) R(c): the rows are turned back
         // by p0 once per chunk, and each key by its offset c only, so the keys' cos/sin rows
         // are the table's first KEY_CHUNK (cache-resident), not a fresh row per key.
-        for (int64_t r = 0; r < rows; ++r) rotate_back(q + r * d, qc + r * d, cs_chunk, d, true);
+        for (int64_t r = 0; r < rows; ++r)
+          rotate_into<float, true>(q + r * d, qc + r * d, cs_chunk, d, true);
         score_tile_rope(qc, k_ptr + chunk_off, cs, cos_sin, cs_stride, n, d, s);
       }
 #endif
