@@ -8,8 +8,8 @@ article as chunks, the question), SmolLM2-135M-Instruct on the CPU, float32:
   passages retrieved for different questions, at different positions). MEPIC can reuse every
   paragraph, prefix caching only the shared system prompt, full recompute nothing.
 * Decode: tokens/s of a warm batch, (time for ``--decode-tokens`` tokens - time for 1 token),
-  MEPIC (RoPE applied to K at read time, its native CPU kernel by default) vs stock vLLM (pre-rotated K,
-  vLLM's CPU kernel).
+  MEPIC (RoPE applied to K at read time, its native CPU kernel by default) vs stock vLLM
+  (pre-rotated K, vLLM's CPU kernel).
 
 Each configuration runs in its own process. Prints ratios; asserts nothing about time.
 """
