@@ -68,6 +68,7 @@ def main() -> None:
         manager = core.scheduler.kv_cache_manager
         if hasattr(manager, "metrics"):
             info = {"metrics": manager.metrics(), "chunk_blocks": list(manager.recent_chunk_blocks)}
+        info["block_hasher"] = getattr(core.request_block_hasher, "__qualname__", None)
     print("RESULT" + json.dumps({"batches": results, **info}))
 
 

@@ -117,6 +117,8 @@ def test_outputs_do_not_depend_on_cache_state(mepic_run):
     assert batched[2]["tokens"] == batched[0]["tokens"]  # same request, other tenant
     for x, y in zip(alone_a[0]["logprobs"], evicted_a[0]["logprobs"], strict=True):
         assert all(abs(x[t] - y[t]) < 1e-5 for t in x.keys() & y.keys())
+    # The engine core skipped its own hashing of these segmented prompts (MEPIC hashes them).
+    assert mepic_run["block_hasher"].startswith("mepic_request_block_hasher")
     metrics = mepic_run["metrics"]
     assert metrics["chunk_hits"] >= 4  # warm runs hit both chunks
     assert metrics["chunk_evictions"] >= 2  # the reset evicted chunks that share a block

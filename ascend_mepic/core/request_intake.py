@@ -35,6 +35,7 @@ from ascend_mepic.core.segments import (
     segments_from_real,
 )
 from ascend_mepic.core.step_room import StepRoom
+from ascend_mepic.vllm_integration.block_hasher import vllm_prompt_hashes
 from ascend_mepic.vllm_integration.kv_cache import num_usable_blocks, set_block_hashes
 from ascend_mepic.vllm_integration.scheduler import set_prompt
 
@@ -321,11 +322,12 @@ class RequestIntake:
         return st
 
     def _leading_hashes(self, request: Request, layout: Layout) -> list[BlockHash]:
-        """vLLM's hashes of the request's ``num_plain_blocks`` (when it hashed blocks of our
-        size), so those blocks are not hashed a second time."""
+        """vLLM's hashes of the request's ``num_plain_blocks`` (when it hashes blocks of our
+        size): taken from the request where vLLM hashed it at arrival, else computed as vLLM
+        would (``vllm_integration.block_hasher`` skips that hashing for segmented requests)."""
         if self.block_pool.hash_block_size != self.block_size:
             return []
-        return list(request.block_hashes[: num_plain_blocks(layout)])
+        return vllm_prompt_hashes(request, num_plain_blocks(layout), self.block_size, self.hash_fn)
 
     def _build_private(
         self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]

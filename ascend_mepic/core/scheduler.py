@@ -35,7 +35,7 @@ from ascend_mepic.core.policies import Placement
 from ascend_mepic.core.segments import UNPIN_KEY, Layout, LayoutError
 from ascend_mepic.tier.host_store import host_store
 from ascend_mepic.tier.index import TierIndex
-from ascend_mepic.vllm_integration import channel
+from ascend_mepic.vllm_integration import block_hasher, channel
 from ascend_mepic.vllm_integration.scheduler import (
     add_pseudo_request,
     emit_finished_at_arrival,
@@ -87,6 +87,9 @@ class MepicScheduler(Scheduler):
             ),
         )
         install_kv_manager(self, manager)
+        if self.mepic_config.parsed_policy.placement is not Placement.NONE:
+            # Segmented requests are re-hashed by MEPIC: the engine core (built next) skips them.
+            block_hasher.install()
         self._step_count = 0
         self._batch = (self.max_num_scheduled_tokens, self.max_num_running_reqs)
         fraction = self.mepic_config.compile_token_fraction

@@ -35,6 +35,7 @@ from vllm.v1.request import Request, RequestStatus
 from ascend_mepic.core.kv_manager import MepicCapacityError, MepicKVCacheManager
 from ascend_mepic.core.markers import TextSegment, Tokenizer, tokenize_segments
 from ascend_mepic.core.segments import EXTRA_ARGS_KEY, Segment, SegmentKind
+from ascend_mepic.vllm_integration.block_hasher import mepic_request_block_hasher
 
 PLACEMENTS = ("mepic", "private", "prefix")
 OUTPUT_KEYS = (
@@ -105,7 +106,10 @@ def make_request(
         params,
         None,
         cache_salt=cache_salt,
-        block_hasher=get_request_block_hasher(block_size, sha256_cbor),
+        # The engine core's hasher: with MEPIC's scheduler it skips segmented requests.
+        block_hasher=(
+            mepic_request_block_hasher if placement == "mepic" else get_request_block_hasher
+        )(block_size, sha256_cbor),
     )
 
 

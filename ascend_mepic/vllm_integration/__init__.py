@@ -9,6 +9,8 @@ package (and ``version.SUPPORTED_VLLM``) is what to port.
 
 * ``version``: the supported vLLM and the start-up check.
 * ``channel``: the typed per-step plan sent from the scheduler to the workers.
+* ``block_hasher``: the engine core's arrival-time prompt hashing, skipped for segmented
+  requests (MEPIC hashes their private stream itself).
 * ``scheduler``: KV manager install, compile pseudo-requests, prompt rewrite, running limits,
   outputs of requests finished at arrival.
 * ``kv_cache``: the KV manager's request block tables, per-block prefix-cache lookup and
