@@ -27,7 +27,8 @@ from collections.abc import Callable
 import torch
 
 from ascend_mepic.ops.metadata import PagedRopeMetadata, SequenceSpec, build_metadata
-from ascend_mepic.ops.reference import rope_paged_attention_reference, write_kv
+from ascend_mepic.ops.reference import rope_paged_attention_reference
+from ascend_mepic.ops.reference import write_kv as write_kv_reference
 from ascend_mepic.ops.rope import RopeSpec, UnsupportedRopeError, apply_rope
 
 IMPL_ENV = "ASCEND_MEPIC_ATTN_IMPL"
@@ -106,6 +107,30 @@ def get_attention_fn(impl: str) -> AttentionFn:
     raise ValueError(f"unknown attention implementation {impl!r}; choose one of {IMPLS}")
 
 
+_write_kv_fns: dict[tuple, Callable[..., None]] = {}
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store un-rotated K and V ``[N, Hkv, D]`` at flat slots ``block * B + offset`` (< 0: skip).
+
+    On CPU the native kernel's ``write_kv`` (one call, no index tensors) whenever the attention
+    would use the kernel; else the torch reference's.
+    """
+    sig = (kv_cache.device.type, key.dtype, kv_cache.dtype, os.environ.get(IMPL_ENV))
+    fn = _write_kv_fns.get(sig)
+    if fn is None:
+        fn = write_kv_reference
+        if sig[0] == "cpu" and select_impl(kv_cache.device) == "cpu":
+            from ascend_mepic.ops import cpu_kernel
+
+            if cpu_kernel.supports(key.dtype, kv_cache.dtype) and cpu_kernel.load():
+                fn = cpu_kernel.write_kv_cpu
+        _write_kv_fns[sig] = fn
+    fn(key, value, kv_cache, slot_mapping)
+
+
 def rope_paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -148,4 +173,5 @@ __all__ = [
     "rope_paged_attention",
     "select_impl",
     "write_kv",
+    "write_kv_reference",
 ]

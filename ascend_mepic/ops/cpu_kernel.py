@@ -78,6 +78,18 @@ def available() -> bool:
     return load()
 
 
+def supports(*dtypes: torch.dtype) -> bool:
+    return all(dt in SUPPORTED_DTYPES for dt in dtypes)
+
+
+def write_kv_cpu(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The reference's ``write_kv`` as one native call (no index tensors per layer)."""
+    n = slot_mapping.shape[0]
+    torch.ops.ascend_mepic.write_kv(key[:n], value[:n], kv_cache, slot_mapping)
+
+
 def decode_splits(meta: PagedRopeMetadata, num_kv_heads: int) -> int:
     """KV splits per decode sequence: enough work items for every thread."""
     items = max(1, meta.num_seqs * num_kv_heads)

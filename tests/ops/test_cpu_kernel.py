@@ -126,3 +126,46 @@ def test_rejects_other_dtypes():
     b = random_batch(1, 16, 4, 2, dtype=torch.float16)
     with pytest.raises(TypeError, match="float32 or bfloat16"):
         run(b)
+
+
+@pytest.mark.parametrize(
+    "src,dst", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
+)  # fmt: skip
+def test_native_kv_write_equals_the_reference(src, dst):
+    from ascend_mepic.ops.reference import write_kv as write_kv_reference
+
+    g = torch.Generator().manual_seed(0)
+    n, hkv, d, blocks, bs = 11, 3, 64, 5, 16
+    # K and V as the model hands them over: strided views of one fused qkv row.
+    qkv = torch.randn(n, (9 + 2 * hkv) * d, generator=g).to(src)
+    key = qkv[:, 9 * d : (9 + hkv) * d].view(n, hkv, d)
+    value = qkv[:, (9 + hkv) * d :].view(n, hkv, d)
+    slots = torch.randperm(blocks * bs, generator=g)[:n]
+    slots[[2, 7]] = -1  # padding rows: skipped
+    caches = [torch.randn(2, blocks, bs, hkv, d, generator=g).to(dst) for _ in range(2)]
+    caches[1].copy_(caches[0])
+    cpu_kernel.write_kv_cpu(key, value, caches[0], slots)
+    write_kv_reference(key, value, caches[1], slots)
+    assert torch.equal(caches[0], caches[1])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernel.write_kv_cpu(key, value, caches[0], slots + blocks * bs)
+
+
+def test_write_kv_dispatch_uses_the_kernel_unless_the_reference_is_forced(monkeypatch):
+    from ascend_mepic import ops
+
+    monkeypatch.delenv("ASCEND_MEPIC_ATTN_IMPL", raising=False)
+    calls = []
+    monkeypatch.setattr(ops, "_write_kv_fns", {})
+    monkeypatch.setattr(cpu_kernel, "write_kv_cpu", lambda *a: calls.append("cpu"))
+    key = torch.zeros(1, 1, 8)
+    cache = torch.zeros(2, 1, 4, 1, 8)
+    ops.write_kv(key, key, cache, torch.tensor([0]))
+    assert calls == ["cpu"]
+    monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", "reference")
+    ops.write_kv(key + 1, key + 2, cache, torch.tensor([1]))
+    assert calls == ["cpu"] and cache[0, 0, 1].eq(1).all() and cache[1, 0, 1].eq(2).all()
+    monkeypatch.delenv("ASCEND_MEPIC_ATTN_IMPL")
+    ops.write_kv(key, key, cache.half(), torch.tensor([0]))  # float16: the kernel does not take it
+    assert calls == ["cpu"]
