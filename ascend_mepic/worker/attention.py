@@ -129,6 +129,7 @@ class MepicAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = None
         self._rope: RopeSpec | None = None
         self._layer_index: int | None = None
+        self._view: tuple[object, torch.Tensor] | None = None  # (per-layer cache, its op view)
 
     def rope(self) -> RopeSpec:
         if self._rope is None:
@@ -141,8 +142,14 @@ class MepicAttentionImpl(AttentionImpl):
         return self._layer_index
 
     def cache_view(self, kv_cache) -> torch.Tensor:
-        """The op's ``[2, num_blocks, B, Hkv, D]`` view of this platform's per-layer cache."""
-        return cache_view(kv_cache, self.num_kv_heads, self.head_size)
+        """The op's ``[2, num_blocks, B, Hkv, D]`` view of this platform's per-layer cache.
+
+        Kept for the layer's cache tensor (the same object every step; a new one, e.g. after
+        vLLM re-allocates its caches, gets a new view): two views per layer per step add up.
+        """
+        if self._view is None or self._view[0] is not kv_cache:
+            self._view = (kv_cache, cache_view(kv_cache, self.num_kv_heads, self.head_size))
+        return self._view[1]
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, view: torch.Tensor, slots: torch.Tensor
