@@ -152,9 +152,9 @@ def rope_paged_attention(
     if fn is None:
         impl = select_impl(query.device)
         if impl == "cpu" and not os.environ.get(IMPL_ENV):
-            from ascend_mepic.ops.cpu_kernel import SUPPORTED_DTYPES
+            from ascend_mepic.ops import cpu_kernel
 
-            if query.dtype not in SUPPORTED_DTYPES or kv_cache.dtype not in SUPPORTED_DTYPES:
+            if not cpu_kernel.supports(query.dtype, kv_cache.dtype):
                 impl = "reference"  # e.g. float16 on CPU: the kernel takes fp32 and bf16
         fn = meta.memo[key] = get_attention_fn(impl)
     return fn(query, kv_cache, meta, rope, scale)
@@ -173,5 +173,4 @@ __all__ = [
     "rope_paged_attention",
     "select_impl",
     "write_kv",
-    "write_kv_reference",
 ]

@@ -79,6 +79,7 @@ def available() -> bool:
 
 
 def supports(*dtypes: torch.dtype) -> bool:
+    """Whether the kernel takes these dtypes (query and cache may differ)."""
     return all(dt in SUPPORTED_DTYPES for dt in dtypes)
 
 
