@@ -2,10 +2,11 @@
 
 Cache layout (every implementation): one tensor ``kv_cache[2, num_blocks, block_size, Hkv, D]``,
 ``kv_cache[0]`` holding K and ``kv_cache[1]`` V, both without RoPE. This matches vllm-ascend's
-``(2, num_blocks, block_size, kv_heads, head)``. The tensor may be a strided view: in vLLM the
-integration passes ``buffer.view(num_blocks, 2, B, Hkv, D).transpose(0, 1)`` so each block's K and V
-stay in that block's bytes; implementations must index through strides, never ``.contiguous()``
-the cache.
+``(2, num_blocks, block_size, kv_heads, head)``. The tensor may be a strided view: on CPU and CUDA
+the integration passes a view of a buffer laid out ``[num_blocks, Hkv, 2, B, D]``
+(``worker.attention.cache_view``: each block's K and V stay in that block's bytes, and one KV head's
+rows of a block are contiguous); implementations must index through strides, never
+``.contiguous()`` the cache.
 
 Queries ``[T, Hq, D]`` are un-rotated and grouped by sequence: sequence ``s`` owns rows
 ``query_start_loc[s]:query_start_loc[s+1]``. Each query carries its logical position (where it is

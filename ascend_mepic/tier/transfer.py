@@ -3,11 +3,12 @@
 Whole blocks for the host store (private placement's padded chunk blocks); token ranges for the
 tier (a chunk's canonical tokens, which the chunk arena packs from any slot of a block on).
 
-Every per-layer cache buffer is block-major (``[num_blocks, ...]``, see ``attention.cache_view``),
-so a block's K and V of one layer are one contiguous row: saving a chunk stacks its blocks' rows
-of every layer, loading writes them back into a request's private blocks. Loads run after vLLM
-zeroes the step's new blocks and before the forward pass; saves run right after the forward pass
-that compiled the chunk, before the scheduler frees the compile's blocks.
+Every per-layer cache is handed over as a logical ``[num_blocks, 2, B, Hkv, D]`` view (see
+``attention.block_view``; its memory is the backend's business), indexed through its strides:
+saving whole blocks yields them in that logical order, whatever the physical layout, and token
+ranges are stored ``[n, 2, Hkv * D]``. Loads run after vLLM zeroes the step's new blocks and
+before the forward pass; saves run right after the forward pass that compiled the chunk, before
+the scheduler frees the compile's blocks.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 
 def save_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
-    """Copy ``block_ids`` of every layer out of the pool: ``[num_layers, n, *block_shape]``."""
+    """Copy ``block_ids`` of every layer out of the pool: ``[num_layers, n, 2, B, Hkv, D]``."""
     index = torch.as_tensor(list(block_ids), dtype=torch.long, device=caches[0].device)
     return torch.stack([cache.index_select(0, index) for cache in caches]).cpu()
 
@@ -56,7 +57,7 @@ def load_stored_tokens(
     for layer, c in enumerate(caches):
         tokens = stored[layer].reshape(num_blocks, 2, block_size, -1).transpose(0, 1)
         tokens = tokens.reshape(2, num_blocks * block_size, -1)[:, src].transpose(0, 1)
-        c.view(c.shape[0], 2, block_size, -1)[dst_blocks, :, dst_slots] = tokens.to(c.device)
+        c[dst_blocks, :, dst_slots] = tokens.reshape(-1, 2, *c.shape[3:]).to(c.device)
 
 
 def _token_index(
@@ -81,7 +82,7 @@ def save_tokens(
     """Copy a token range of every layer out of the pool: ``[num_layers, n, 2, Hkv * D]``."""
     blocks, slots = _token_index(block_ids, offset, num_tokens, block_size, caches[0].device)
     return torch.stack(
-        [c.view(c.shape[0], 2, block_size, -1)[blocks, :, slots] for c in caches]
+        [c[blocks, :, slots].flatten(2) for c in caches]
     ).cpu()
 
 
@@ -95,7 +96,7 @@ def load_tokens(
     """Write ``save_tokens``' output back, from slot ``offset`` of ``block_ids[0]`` on."""
     blocks, slots = _token_index(block_ids, offset, stored.shape[1], block_size, caches[0].device)
     for layer, c in enumerate(caches):
-        c.view(c.shape[0], 2, block_size, -1)[blocks, :, slots] = stored[layer].to(c.device)
+        c[blocks, :, slots] = stored[layer].reshape(-1, 2, *c.shape[3:]).to(c.device)
 
 
 def lowfreq_scores(

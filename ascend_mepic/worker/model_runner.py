@@ -33,6 +33,7 @@ from ascend_mepic.vllm_integration.runner import (
     hand_step_tables,
 )
 from ascend_mepic.worker import blend, step
+from ascend_mepic.worker.attention import block_view
 from ascend_mepic.worker.step import StepInputs
 from ascend_mepic.worker.token_map import TokenMap
 from ascend_mepic.worker.token_pool import TokenMapPool
@@ -69,10 +70,13 @@ class MepicRunnerMixin:
         self._token_pool = TokenMapPool(self.mepic_block_size)
 
     def mepic_kv_buffers(self) -> list[torch.Tensor]:
-        """Per-layer KV buffers, block-major (``[num_blocks, ...]``, each block's K then V), as
-        ``tier.transfer`` reads them. vLLM's CPU and GPU runners allocate exactly that; the NPU
-        runner overrides this to view vllm-ascend's per-layer (K, V) pairs."""
-        return self.kv_caches
+        """Per-layer KV as ``tier.transfer`` reads it: logical ``[num_blocks, 2, B, Hkv, D]``
+        views (``attention.block_view``) of the buffers vLLM's CPU and GPU runners allocate.
+        Built per call: only chunk moves, loads and saves use them. The NPU runner overrides this
+        to view vllm-ascend's per-layer (K, V) pairs."""
+        num_kv_heads = self.model_config.get_num_kv_heads(self.parallel_config)
+        head_size = self.model_config.get_head_size()
+        return [block_view(c, num_kv_heads, head_size) for c in self.kv_caches]
 
     def _update_states(self, scheduler_output):
         """Take this step's plan: token maps of new sequences, then host and tier loads."""

@@ -70,8 +70,8 @@ def test_fp32_query_over_bf16_cache(decode):
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
-def test_strided_cache_view_as_the_integration_passes_it():
-    """vLLM's CPU buffer is block-major; the backend passes ``[2, nb, B, H, D]`` as a view."""
+def test_strided_block_major_cache_view():
+    """The cache may be any strided view (the backend's own layout: tests/test_kv_layout.py)."""
     b = random_batch(6, 32, 4, 2, decode=False)
     block_major = b.kv_cache.transpose(0, 1).contiguous()
     view = block_major.transpose(0, 1)

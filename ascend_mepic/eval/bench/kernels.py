@@ -2,8 +2,8 @@
 
 Both kernels run in this process on the same threads, dtype, block size and context: vLLM's CPU
 attention (``cpu_attention_with_kv_cache``, what CPU_ATTN runs, K stored rotated) and MEPIC's
-native kernel (``csrc/cpu/``, K stored un-rotated and rotated at read, the op contract's plain
-layout: every block full, positions = indices). Before timing, the two outputs are compared (the
+native kernel (``csrc/cpu/``, K stored un-rotated in the serving backend's cache layout and
+rotated at read, the op contract's plain metadata: every block full, positions = indices). Before timing, the two outputs are compared (the
 same attention, RoPE applied at write for vLLM and at read for MEPIC), so a ratio is never
 reported for a kernel that computes something else.
 
@@ -28,6 +28,7 @@ from ascend_mepic.ops import cpu_kernel
 from ascend_mepic.ops.metadata import PagedRopeMetadata
 from ascend_mepic.ops.reference import rope_paged_attention_reference, write_kv
 from ascend_mepic.ops.rope import RopeSpec, default_cos_sin_cache
+from ascend_mepic.worker.attention import cache_view
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -73,8 +74,10 @@ class Case:
         q = torch.randn(num_seqs * num_queries, heads, head, generator=gen)
         self.query = q.to(dtype)
 
-        # MEPIC: [2, nb, B, Hkv, D] un-rotated, the plain op-contract metadata.
-        self.mepic_cache = torch.zeros(2, nb, block, kv_heads, head, dtype=dtype)
+        # MEPIC: un-rotated, in the backend's layout (``attention.cache_view``: per block and KV
+        # head, K rows then V rows), the plain op-contract metadata.
+        raw = torch.zeros(nb, kv_heads * 2 * block * head, dtype=dtype)
+        self.mepic_cache = cache_view(raw, kv_heads, head)
         write_kv(key.flatten(0, 1), value.flatten(0, 1), self.mepic_cache, slots)
         first = (torch.arange(blocks_per_seq, dtype=torch.int32) * block).expand(num_seqs, -1)
         loc = torch.arange(num_seqs + 1, dtype=torch.int32) * num_queries
