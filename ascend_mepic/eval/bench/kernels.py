@@ -3,9 +3,9 @@
 Both kernels run in this process on the same threads, dtype, block size and context: vLLM's CPU
 attention (``cpu_attention_with_kv_cache``, what CPU_ATTN runs, K stored rotated) and MEPIC's
 native kernel (``csrc/cpu/``, K stored un-rotated in the serving backend's cache layout and
-rotated at read, the op contract's plain metadata: every block full, positions = indices). Before timing, the two outputs are compared (the
-same attention, RoPE applied at write for vLLM and at read for MEPIC), so a ratio is never
-reported for a kernel that computes something else.
+rotated at read, the op contract's plain metadata: every block full, positions = indices). Before
+timing, the two outputs are compared (the same attention, RoPE applied at write for vLLM and at
+read for MEPIC), so a ratio is never reported for a kernel that computes something else.
 
 Ratios are throughputs, MEPIC over vLLM (above 1: MEPIC faster): ``decode_vs_vllm`` (one query
 per sequence over ``context`` keys, ``batch`` sequences) and ``prefill_vs_vllm`` (one sequence of
