@@ -13,6 +13,11 @@
 //
 // Query, K, V: float32 or bfloat16 (the cache may differ from the query); math in float32. The
 // inner loops are written for the compiler's vectoriser (-O3 -march=native -fopenmp-simd).
+//
+// Any cache strides work; decode is bound by streaming K/V, so the serving backend stores one KV
+// head's rows of a block contiguously (worker/attention.py, block_view). With token-major blocks
+// (rows Hkv * D apart) the same kernel was a third slower beyond L3, and software prefetch
+// did not recover it; with contiguous rows prefetch gained nothing, so there is none.
 
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -152,18 +157,6 @@ struct Scratch {
   Scratch(int64_t rows, int64_t d)
       : q(rows * d), qc(rows * d), k(KEY_CHUNK * d), v(KEY_CHUNK * d), s(rows * KEY_CHUNK) {}
 };
-
-// Asks for rows [r0, r1) of one head of the next block-table entry while this one is computed:
-// a KV head's rows are strided in the cache (other heads between them), which the hardware
-// prefetcher follows poorly, and decode is bound by these loads.
-template <typename T>
-inline void prefetch_rows(const T* base, int32_t r0, int32_t r1, int64_t row_stride, int64_t d) {
-  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
-  for (int64_t r = r0; r < r1; ++r) {
-    const char* row = reinterpret_cast<const char*>(base + r * row_stride);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
-  }
-}
 
 // Score and P.V micro-kernels. Each works on a tile of ROWS rows (queries times the GQA group
 // sharing the KV head, padded with zero rows), so every rotated key and every value row loaded
@@ -402,21 +395,6 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
     const int32_t first = m.first[meta_row + j];
     for (int32_t c0 = v0; c0 < v1; c0 += KEY_CHUNK) {
       const int64_t n = std::min<int64_t>(KEY_CHUNK, v1 - c0);
-      // Ask for the next chunk's rows of this head while this one is computed: a KV head's
-      // rows are strided in the cache (other heads between them), and decode waits on them.
-      if (c0 + KEY_CHUNK < v1) {
-        const int64_t off = blk * cb + static_cast<int64_t>(w.kv_head) * ch;
-        const int32_t e = static_cast<int32_t>(std::min<int64_t>(v1, c0 + 2 * KEY_CHUNK));
-        prefetch_rows(k_ptr + off, c0 + KEY_CHUNK, e, cs, d);
-        prefetch_rows(v_ptr + off, c0 + KEY_CHUNK, e, cs, d);
-      } else if (j + 1 < w.entry_end) {
-        const int64_t off = static_cast<int64_t>(m.tables[meta_row + j + 1]) * cb +
-                            static_cast<int64_t>(w.kv_head) * ch;
-        const int32_t n0 = m.vstart[meta_row + j + 1];
-        const int32_t n1 = std::min<int32_t>(m.vend[meta_row + j + 1], n0 + KEY_CHUNK);
-        prefetch_rows(k_ptr + off, n0, n1, cs, d);
-        prefetch_rows(v_ptr + off, n0, n1, cs, d);
-      }
       const int64_t n4 = (n + 3) / 4 * 4;
       const int64_t chunk_off = blk * cb + c0 * cs + static_cast<int64_t>(w.kv_head) * ch;
       const float* cs_chunk = cos_sin + static_cast<int64_t>(first + c0 - v0) * cs_stride;
