@@ -125,6 +125,14 @@ def main() -> None:
     p.add_argument("--decode-batch", type=int, default=8)
     p.add_argument("--decode-rounds", type=int, default=3, help="decode timed N times, median")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+        help="configurations to run (ratios are against the first listed)",
+    )  # fmt: skip
+    p.add_argument(
+        "--repeats", type=int, default=1,
+        help="run the configurations N times, alternated (a process each), to see the spread",
+    )  # fmt: skip
     p.add_argument("--job", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.job:
@@ -136,44 +144,58 @@ def main() -> None:
     model = str(resolve_model(args.model))
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="4")
     print(f"model {args.model}, {args.requests} SQuAD requests, block size {args.block_size}")
+    base = args.configs[0]
     print(
-        "| paragraphs | config | prompt tokens | TTFT mean (ms) | TTFT p50 (ms) | "
-        "TTFT vs full | decode tok/s |"
+        "| paragraphs | repeat | config | prompt tokens | TTFT mean (ms) | TTFT p50 (ms) | "
+        f"TTFT vs {base} | decode tok/s | decode vs {base} |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for k in args.chunks:
-        results = {}
-        for name, cfg in CONFIGS.items():
-            job = {
-                "model": model,
-                "requests": args.requests,
-                "chunks": k,
-                "seed": args.seed,
-                "articles": args.articles,
-                "block_size": args.block_size,
-                "decode_tokens": args.decode_tokens,
-                "decode_batch": args.decode_batch,
-                "decode_rounds": args.decode_rounds,
-                **cfg,
-            }
-            proc = subprocess.run(
-                [sys.executable, __file__, "--job", json.dumps(job)],
-                capture_output=True,
-                text=True,
-                env=env,
-                timeout=1800,
-            )
-            if proc.returncode != 0:
-                raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-            line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-            results[name] = json.loads(line[len("RESULT") :])
-        for name, r in results.items():
-            print(
-                f"| {k} | {name} | {r['prompt_tokens_mean']:.0f} | {r['ttft_mean_s'] * 1e3:.1f} | "
-                f"{r['ttft_p50_s'] * 1e3:.1f} | "
-                f"{r['ttft_mean_s'] / results['full']['ttft_mean_s']:.2f}x | "
-                f"{r['decode_tok_s']:.1f} |"
-            )
+        ratios: dict[str, list[float]] = {name: [] for name in args.configs}
+        for rep in range(args.repeats):
+            results = {}
+            for name in args.configs:
+                job = {
+                    "model": model,
+                    "requests": args.requests,
+                    "chunks": k,
+                    "seed": args.seed,
+                    "articles": args.articles,
+                    "block_size": args.block_size,
+                    "decode_tokens": args.decode_tokens,
+                    "decode_batch": args.decode_batch,
+                    "decode_rounds": args.decode_rounds,
+                    **CONFIGS[name],
+                }
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--job", json.dumps(job)],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    timeout=1800,
+                )
+                if proc.returncode != 0:
+                    raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+                line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+                results[name] = json.loads(line[len("RESULT") :])
+            ref = results[base]
+            for name, r in results.items():
+                ratio = r["decode_tok_s"] / ref["decode_tok_s"]
+                ratios[name].append(ratio)
+                print(
+                    f"| {k} | {rep + 1} | {name} | {r['prompt_tokens_mean']:.0f} | "
+                    f"{r['ttft_mean_s'] * 1e3:.1f} | {r['ttft_p50_s'] * 1e3:.1f} | "
+                    f"{r['ttft_mean_s'] / ref['ttft_mean_s']:.2f}x | "
+                    f"{r['decode_tok_s']:.1f} | {ratio:.2f}x |",
+                    flush=True,
+                )
+        if args.repeats > 1:
+            for name in args.configs[1:]:
+                got = ", ".join(f"{x:.2f}" for x in ratios[name])
+                print(
+                    f"{k} paragraphs: decode {name} / {base} per repeat {got}; "
+                    f"median {statistics.median(ratios[name]):.2f}x"
+                )
 
 
 if __name__ == "__main__":
