@@ -12,7 +12,9 @@ article as chunks, the question), SmolLM2-135M-Instruct on the CPU, float32:
   MEPIC (RoPE applied to K at read time, its native CPU kernel by default) vs stock vLLM
   (pre-rotated K, vLLM's CPU kernel).
 
-Each configuration runs in its own process. Prints ratios; asserts nothing about time.
+Each configuration runs in its own process; ``--configs`` picks them (ratios against the first)
+and ``--repeats N`` runs them N times alternated, to show the spread. Prints ratios; asserts
+nothing about time.
 """
 
 from __future__ import annotations
