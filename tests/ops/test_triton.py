@@ -115,6 +115,21 @@ def test_prefill_kernel_on_decode_batch(seed):
 
 @interpreted
 @pytest.mark.parametrize("decode", [False, True])
+def test_serving_backend_cache_layout(decode):
+    """The CUDA worker's cache: per block and KV head, K rows then V rows (the layout of
+    ``worker.attention.block_view``, pinned in tests/test_kv_layout.py; built here by hand so
+    this interpreter process does not import vLLM)."""
+    b = random_batch(8, 32, 6, 3, decode=decode, max_segment=MAX_SEGMENT)
+    _, nb, bs, hkv, d = b.kv_cache.shape
+    physical = torch.empty(nb, hkv, 2, bs, d)
+    view = physical.permute(2, 0, 3, 1, 4)  # [2, nb, B, Hkv, D]
+    view.copy_(b.kv_cache)
+    out = tri.rope_paged_attention_triton(b.query, view, b.meta, b.rope, b.scale)
+    check(out, b, 1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision(dtype, decode):
     b = random_batch(7, 32, 4, 2, dtype=dtype, decode=decode, max_segment=MAX_SEGMENT)
