@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -141,6 +140,7 @@ def main() -> None:
         print("RESULT" + json.dumps(worker(json.loads(args.job))))
         return
 
+    from ascend_mepic.eval.bench.runner import run_job_process
     from ascend_mepic.eval.prepare import resolve_model
 
     model = str(resolve_model(args.model))
@@ -169,17 +169,9 @@ def main() -> None:
                     "decode_rounds": args.decode_rounds,
                     **CONFIGS[name],
                 }
-                proc = subprocess.run(
-                    [sys.executable, __file__, "--job", json.dumps(job)],
-                    capture_output=True,
-                    text=True,
-                    env=env,
-                    timeout=1800,
+                results[name] = run_job_process(
+                    [sys.executable, __file__, "--job", json.dumps(job)], env, 1800, name
                 )
-                if proc.returncode != 0:
-                    raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-                line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-                results[name] = json.loads(line[len("RESULT") :])
             ref = results[base]
             for name, r in results.items():
                 ratio = r["decode_tok_s"] / ref["decode_tok_s"]

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -71,23 +70,17 @@ def worker(job: dict) -> dict:
 
 
 def run_job(job: dict) -> dict:
+    from ascend_mepic.eval.bench.runner import run_job_process
+
     env = dict(
         os.environ,
         HF_HUB_OFFLINE="1",
         VLLM_CPU_KVCACHE_SPACE="2",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
     )
-    proc = subprocess.run(
-        [sys.executable, __file__, "--job", json.dumps(job)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=3600,
+    return run_job_process(
+        [sys.executable, __file__, "--job", json.dumps(job)], env, 3600, f"job {job['tier']}"
     )
-    if proc.returncode != 0:
-        raise SystemExit(f"job {job['tier']} failed:\n{proc.stderr[-3000:]}")
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    return json.loads(line[len("RESULT") :])
 
 
 def main() -> None:

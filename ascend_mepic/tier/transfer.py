@@ -81,9 +81,7 @@ def save_tokens(
 ) -> torch.Tensor:
     """Copy a token range of every layer out of the pool: ``[num_layers, n, 2, Hkv * D]``."""
     blocks, slots = _token_index(block_ids, offset, num_tokens, block_size, caches[0].device)
-    return torch.stack(
-        [c[blocks, :, slots].flatten(2) for c in caches]
-    ).cpu()
+    return torch.stack([c[blocks, :, slots].flatten(2) for c in caches]).cpu()
 
 
 def load_tokens(

@@ -203,27 +203,39 @@ def run(job: dict) -> dict:
 
 def run_in_subprocess(job: dict, timeout: float = 3600) -> dict:
     """Run ``job`` in a fresh Python process (vLLM's global state stays per policy)."""
-    import subprocess
-
     env = dict(
         os.environ,
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VLLM_CPU_KVCACHE_SPACE=str(job.get("kv_gib", 1)),
         HF_HUB_OFFLINE="1",
     )
-    proc = subprocess.run(
+    return run_job_process(
         [sys.executable, "-m", "ascend_mepic.eval.bench.runner", json.dumps(job)],
+        env,
+        timeout,
+        f"bench runner for {job['policy']}",
+        capture_stderr=not job.get("progress", True),
+    )
+
+
+def run_job_process(
+    argv: list[str], env: dict, timeout: float, label: str, capture_stderr: bool = True
+) -> dict:
+    """Run a benchmark job's process and return the ``RESULT{...}`` line it prints; a failed job
+    raises with the tail of its stderr (when captured)."""
+    import subprocess
+
+    proc = subprocess.run(
+        argv,
         stdout=subprocess.PIPE,
-        stderr=None if job.get("progress", True) else subprocess.PIPE,
+        stderr=subprocess.PIPE if capture_stderr else None,
         text=True,
         env=env,
         timeout=timeout,
     )
     if proc.returncode != 0:
         tail = (proc.stderr or "")[-3000:]
-        raise RuntimeError(
-            f"bench runner for {job['policy']} failed (rc {proc.returncode})\n{tail}"
-        )
+        raise RuntimeError(f"{label} failed (rc {proc.returncode})\n{tail}")
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
     return json.loads(line[len("RESULT") :])
 
