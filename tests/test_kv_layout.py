@@ -71,12 +71,10 @@ def test_tier_copies_agree_with_a_token_major_cache():
     plain = [torch.randn(6, 2, 16, 3, 8, generator=gen) for _ in range(2)]  # token-major
     views = [block_view(_buffer_holding(c), 3, 8) for c in plain]
 
-    saved = transfer.save_blocks(views, [1, 4])
+    saved = transfer.save_blocks(views, [1, 4])  # what CacheTune's scores read: layout-free
     assert torch.equal(saved, transfer.save_blocks(plain, [1, 4]))
     tokens = transfer.save_tokens(views, [0, 5], 10, 12, 16)
     assert torch.equal(tokens, transfer.save_tokens(plain, [0, 5], 10, 12, 16))
-    scores = transfer.lowfreq_scores(saved, 20, 3, 8)
-    assert scores == transfer.lowfreq_scores(transfer.save_blocks(plain, [1, 4]), 20, 3, 8)
 
     for caches in (plain, views):
         transfer.load_blocks(caches, saved, [1, 0], [2, 3])
@@ -84,4 +82,4 @@ def test_tier_copies_agree_with_a_token_major_cache():
         transfer.load_stored_tokens(caches, saved, 20, [(0, 7, 0, 9), (7, 13, 5, 0)], 16)
     for p, v in zip(plain, views, strict=True):
         assert torch.equal(p, v)
-    assert torch.equal(views[0][3], plain[0][3]) and torch.equal(views[1][2], saved[1, 1])
+    assert torch.equal(views[1][2], saved[1, 1])  # the loads did write (not both no-ops)
