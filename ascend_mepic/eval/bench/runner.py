@@ -241,8 +241,12 @@ def run_job_process(
 
 
 def main() -> None:
+    from ascend_mepic.entrypoints.streams import isolate_stdout
+
+    out = isolate_stdout()  # vLLM's logs to stderr: stdout holds only the RESULT line
     job = json.loads(sys.argv[1])
-    print("RESULT" + json.dumps(run(job)), flush=True)
+    out.write("RESULT" + json.dumps(run(job)) + "\n")
+    out.flush()
 
 
 if __name__ == "__main__":
