@@ -72,11 +72,13 @@ test: setup lint
 test-ascend:
 	scripts/test_ascend.sh
 
+# The paper's Table 2 comparison in a quick size on CPU: a SQuAD trace, the KV planner over it, then
+# full / EPIC-16 / CacheBlend-15 / MEPIC in the real engine. Ends with a short summary, a plot
+# ($(DEMO_DIR)/bench_compare/summary.png) and a verdict against Table 2. Logs go to stderr.
 demo: setup
 	$(VENV)/bin/ascend-mepic prepare --model smollm2
-	mkdir -p $(DEMO_DIR)
 	$(VENV)/bin/ascend-mepic trace squad --requests 200 --qps 25 --chunks 4 --seed 0 \
-		--tokenizer smollm2 > $(DEMO_DIR)/squad_trace.jsonl
+		--tokenizer smollm2 --out $(DEMO_DIR)/squad_trace.jsonl
 	$(VENV)/bin/ascend-mepic kvsim $(DEMO_DIR)/squad_trace.jsonl --placement all \
 		--block-size 128 --num-blocks 2048 --json $(DEMO_DIR)/kvsim.json
 	$(VENV)/bin/ascend-mepic bench compare --quick --block-size 128 --kv-gib 3 --no-progress \

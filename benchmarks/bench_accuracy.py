@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ascend_mepic.entrypoints.streams import print_data_only
 from ascend_mepic.eval.policy_reference import PolicyReference, PromptState, parse_policy
 from ascend_mepic.eval.squad_metrics import bootstrap_mean, exact_match, f1, paired_bootstrap
 
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         "(the question list is prefix-stable in --questions, so a 50-question run seeds a 300 one)",
     )
     args = ap.parse_args(argv)
+    print_data_only()  # stdout: this script's data only; logs (vLLM's too) to stderr
     if args.quick:
         args.questions = min(args.questions, 20)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

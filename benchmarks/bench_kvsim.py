@@ -10,6 +10,7 @@ import argparse
 
 from ascend_mepic.core.markers import TextSegment, tokenize_segments
 from ascend_mepic.core.segments import SegmentKind
+from ascend_mepic.entrypoints.streams import print_data_only
 from ascend_mepic.eval.kvsim import PLACEMENTS, TraceRequest, simulate
 from ascend_mepic.eval.trace import squad_trace
 
@@ -40,6 +41,7 @@ def main() -> None:
     p.add_argument("--articles", type=int, default=4, help="hot article set (0: all)")
     p.add_argument("--tokenizer", default="smollm2")
     args = p.parse_args()
+    print_data_only()  # stdout: this script's data only; logs (vLLM's too) to stderr
 
     from transformers import AutoTokenizer
 

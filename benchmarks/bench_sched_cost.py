@@ -13,6 +13,7 @@ import random
 import time
 
 from ascend_mepic.core.segments import Segment
+from ascend_mepic.entrypoints.streams import print_data_only
 from ascend_mepic.eval.kvsim import build_manager, make_request
 
 
@@ -65,6 +66,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
+    print_data_only()  # stdout: this script's data only; logs (vLLM's too) to stderr
     segs = workload(args.requests)
     best: dict[str, dict[str, float]] = {}
     for _ in range(args.repeats):  # interleaved, best of N, to damp machine noise

@@ -26,6 +26,8 @@ import statistics
 import sys
 import time
 
+from ascend_mepic.entrypoints.streams import print_data_only
+
 CONFIGS = {
     "full": {"mepic": False, "prefix": False},
     "prefix": {"mepic": False, "prefix": True},
@@ -136,6 +138,7 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--job", help=argparse.SUPPRESS)
     args = p.parse_args()
+    print_data_only()  # stdout: this script's data only; logs (vLLM's too) to stderr
     if args.job:
         print("RESULT" + json.dumps(worker(json.loads(args.job))))
         return

@@ -24,6 +24,7 @@ import torch
 
 from ascend_mepic.core.plan import SequencePlacement, StepPlan
 from ascend_mepic.core.segments import Segment, build_layout
+from ascend_mepic.entrypoints.streams import print_data_only
 from ascend_mepic.ops import PagedRopeMetadata, RopeSpec
 from ascend_mepic.ops.reference import rope_paged_attention_reference
 from ascend_mepic.worker.model_runner import MepicRunnerMixin
@@ -150,6 +151,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
+    print_data_only()  # stdout: this script's data only; logs (vLLM's too) to stderr
     torch.set_num_threads(1)
     print("| decoding requests | plain among them | _place_tokens per step (ms) |")
     print("|---|---|---|")

@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from ascend_mepic.entrypoints.streams import print_data_only
+
 
 def worker(job: dict) -> dict:
     from transformers import AutoTokenizer
@@ -94,6 +96,7 @@ def main() -> None:
     p.add_argument("--json", help="write all results here")
     p.add_argument("--job", help=argparse.SUPPRESS)
     args = p.parse_args()
+    print_data_only()  # stdout: this script's data only; logs (vLLM's too) to stderr
     if args.job:
         print("RESULT" + json.dumps(worker(json.loads(args.job))))
         return

@@ -116,6 +116,16 @@ def test_reports_render():
     md = stats.render_compare_report(rows, "T", ["note"], hw="test-hw")
     assert "| mepic |" in md and "epic-16 / mepic: ours 2.00x, paper Table 2 1.96x" in md
     assert "Hardware: test-hw" in md and "n/a" in md
+    # epic-16 at 2.00x vs the paper's 1.96x, cacheblend-15 at 1.00x vs 1.97x: not reproduced.
+    assert "Verdict: peak KV cacheblend-15 / MEPIC 1.00x (paper 1.97x), epic-16 / MEPIC " in md
+    assert "epic-16 / MEPIC 2.00x (paper 1.96x)" in md
+    assert "NOT reproduced" in md
+    rows[2]["peak_kv_blocks"] = 30
+    assert "is reproduced at this size" in stats.verdict(rows)
+    rows[2]["peak_kv_blocks"] = 25
+    assert "less than the paper's" in stats.verdict(rows)
+    summary = stats.render_compare_summary(rows, "out/report.md", "out/summary.png")
+    assert summary.count("\n") < 15 and "Plot: out/summary.png" in summary
     sweep = [{**r, "x": x} for x in (1, 2) for r in rows]
     md2 = stats.render_sweep_report(sweep, "S", "QPS", "paper", hw="hw")
     assert "epic-16 / mepic: 2.00x, 2.00x" in md2

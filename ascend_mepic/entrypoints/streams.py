@@ -74,3 +74,13 @@ def open_output(path: str | None) -> TextIO:
 def log(msg: str) -> None:
     """A progress or status line for the person at the terminal (stderr, never data)."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def print_data_only() -> TextIO:
+    """For scripts that print() their data: stdout becomes the data stream, the rest stderr.
+
+    Loggers configured before this call hold the old stdout object, whose descriptor now leads
+    to stderr; vLLM, if imported later, logs to stderr (``VLLM_LOGGING_STREAM``).
+    """
+    sys.stdout = isolate_stdout()
+    return sys.stdout

@@ -12,7 +12,8 @@ from ascend_mepic.entrypoints.streams import isolate_stdout, log
 from ascend_mepic.eval.bench import stats
 
 DEFAULT_COMPARE = ["full", "prefix", "naive", "epic-16", "cacheblend-15", "cachetune-15", "mepic"]
-QUICK_COMPARE = ["full", "epic-16", "mepic"]  # make demo: the memory claim in minutes
+# make demo: Table 2's policies (MEPIC and both baselines) and full recompute for fidelity.
+QUICK_COMPARE = ["full", "epic-16", "cacheblend-15", "mepic"]
 SWEEP_POLICIES = ["full", "mepic", "epic-16", "cacheblend-15"]
 QUICK_SWEEP_POLICIES = ["mepic", "cacheblend-15"]
 
@@ -87,6 +88,31 @@ def _plot_timeline(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _plot_compare(rows: list[dict], path: Path, title: str) -> bool:
+    """Peak KV (% of pool) and mean latency per policy, side by side."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    names = [r["policy"] for r in rows]
+    colors = ["tab:green" if n == "mepic" else "tab:gray" for n in names]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    kv = [100 * (r["peak_kv_usage"] or 0) for r in rows]
+    lat = [r["latency_mean_s"] for r in rows]
+    for ax, vals, label, fmt in (
+        (a1, kv, "peak KV usage (% of pool)", "{:.1f}%"),
+        (a2, lat, "mean request latency (s)", "{:.2f}"),
+    ):
+        bars = ax.bar(names, vals, color=colors)
+        ax.bar_label(bars, labels=[fmt.format(v) for v in vals])
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", rotation=20)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
 
 
 def _plot_sweep(rows: list[dict], xname: str, path: Path, title: str) -> None:
@@ -166,10 +192,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = _run_policies(args, policies, args.qps, args.chunks, out, "compare")
     _plot_timeline(rows, out / "fig6_kv_timeline.png")
+    plot = out / "summary.png"
+    verdict = stats.verdict(rows)
+    plotted = _plot_compare(rows, plot, verdict.replace(": ", ":\n", 1))
     report = stats.render_compare_report(rows, "MEPIC bench: policy comparison", _notes(args))
     (out / "report.md").write_text(report, encoding="utf-8")
-    isolate_stdout().write(report)
-    log(f"wrote {out}")
+    summary = stats.render_compare_summary(
+        rows, str(out / "report.md"), str(plot) if plotted else None
+    )
+    (out / "summary.md").write_text(summary, encoding="utf-8")
+    isolate_stdout().write(summary)
     return 0
 
 

@@ -57,10 +57,21 @@ def stock_block_size(block_size: int) -> int:
 
 
 def _model_len(requests: list[tuple[Any, list]], job: dict) -> int:
-    """4096, or more when the workload's longest prompt needs it (16 paragraphs per request)."""
+    """4096, or more when the workload's longest prompt needs it (16 paragraphs per request),
+    within the model's own context (a tiny test model has 2048)."""
+    from transformers import AutoConfig
+
     longest = max(sum(len(s.token_ids) for s in segs) for _, segs in requests)
     need = longest + job["max_tokens"] + (job["chunks"] + 1) * job["block_size"]  # chunk padding
-    return max(4096, -(-need // 1024) * 1024)
+    limit = getattr(AutoConfig.from_pretrained(job["model"]), "max_position_embeddings", None)
+    if limit and need > limit:
+        raise ValueError(
+            f"the workload needs {need} tokens per request (longest prompt {longest}, "
+            f"{job['max_tokens']} output, chunk padding) but {job['model']} has a context of "
+            f"{limit}: use fewer --chunks or a longer-context model"
+        )
+    want = max(4096, -(-need // 1024) * 1024)
+    return min(want, limit) if limit else want
 
 
 def _block_bytes(llm: Any, block_size: int) -> int:
