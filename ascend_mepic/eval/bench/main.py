@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,8 @@ def _plot_compare(rows: list[dict], path: Path, title: str) -> bool:
         ax.bar_label(bars, labels=[fmt.format(v) for v in vals])
         ax.set_ylabel(label)
         ax.tick_params(axis="x", rotation=20)
-    fig.suptitle(title, fontsize=10)
+    wrapped = "\n".join(textwrap.fill(line, 110) for line in title.splitlines())
+    fig.suptitle(wrapped, fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -194,7 +196,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _plot_timeline(rows, out / "fig6_kv_timeline.png")
     plot = out / "summary.png"
     verdict = stats.verdict(rows)
-    plotted = _plot_compare(rows, plot, verdict.replace(": ", ":\n", 1))
+    plotted = _plot_compare(rows, plot, verdict)
     report = stats.render_compare_report(rows, "MEPIC bench: policy comparison", _notes(args))
     (out / "report.md").write_text(report, encoding="utf-8")
     summary = stats.render_compare_summary(
