@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import re
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,10 @@ def _names(path: Path) -> set[str]:
 
 
 def _installed() -> dict[str, str]:
-    return {_norm(d.metadata["Name"]): d.version for d in md.distributions()}
+    """Distributions installed in the venv's site-packages. Not ``sys.path``: importing
+    setuptools puts its ``_vendor`` folder there, whose vendored copies are not installs."""
+    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    return {_norm(d.metadata["Name"]): d.version for d in md.distributions(path=paths)}
 
 
 def test_installed_versions_are_the_locked_ones() -> None:

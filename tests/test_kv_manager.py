@@ -468,3 +468,35 @@ def test_pinned_block_count_follows_pins_moves_and_drops():
     assert m.chunk_cache.num_pinned_blocks() == num_pinned_blocks(m) == 0
     m.new_step_starts()
     check_conservation(m)
+
+
+def test_server_precheck_accepts_and_rejects_what_the_engine_does():
+    """The HTTP server's 400 and the engine's intake judge the same block table."""
+    from ascend_mepic.core.policies import parse_policy
+    from ascend_mepic.entrypoints.server.segments import MepicRequestError, check_fits
+
+    rng, policy, seen = random.Random(0), parse_policy("mepic"), set()
+    for i in range(150):
+        max_len = rng.choice([256, 512, 1024])
+        m = build_manager("mepic", 4096, B, max_model_len=max_len)
+        segs = [Segment.prompt(range(rng.randint(1, 40)))]
+        for c in range(rng.randint(1, 6)):
+            segs += [
+                chunk(10 * i + c, rng.randint(1, 150)),
+                Segment.prompt([7] * rng.randint(1, 9)),
+            ]
+        try:
+            check_fits([[s.kind.value, len(s.token_ids)] for s in segs], B, max_len, policy)
+            server_ok = True
+        except MepicRequestError as e:
+            assert "max_model_len" in str(e)
+            server_ok = False
+        try:
+            m.track(make_request(f"r{i}", segs, B))
+            engine_ok = True
+        except MepicCapacityError as e:
+            assert "max_model_len" in str(e)
+            engine_ok = False
+        assert server_ok == engine_ok, segs
+        seen.add(server_ok)
+    assert seen == {True, False}

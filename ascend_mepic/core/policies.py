@@ -37,8 +37,11 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+
+from ascend_mepic.core.segments import Layout, Segment, SegmentKind, build_packed_layout
 
 
 class Placement(str, enum.Enum):
@@ -198,3 +201,20 @@ POLICY_NAMES = (
     "cacheblend-R",
     "cachetune-R",
 )
+
+
+def arrival_layout(segments: Sequence[Segment], policy: Policy, block_size: int) -> Layout:
+    """The layout a segmented request is checked against when it arrives (the engine's intake
+    and the HTTP server's pre-check share it, so both accept and reject the same requests).
+
+    Packed policies keep each chunk's first tokens private, at the chunks' worst start slots;
+    the others keep every chunk token private. Depends on lengths only, never on the cache.
+    """
+    counts = [
+        min(policy.private_tokens(len(s.token_ids), block_size), len(s.token_ids))
+        if policy.packed
+        else len(s.token_ids)
+        for s in segments
+        if s.kind is SegmentKind.CHUNK
+    ]
+    return build_packed_layout(segments, block_size, counts)

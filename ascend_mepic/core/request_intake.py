@@ -23,7 +23,7 @@ from ascend_mepic.core.errors import MepicCapacityError, MepicUnsupportedError
 from ascend_mepic.core.identity import ChunkId, chunk_identity
 from ascend_mepic.core.kv_settings import KVSettings
 from ascend_mepic.core.plan import RequestPlan, SequencePlacement
-from ascend_mepic.core.policies import Placement
+from ascend_mepic.core.policies import Placement, arrival_layout
 from ascend_mepic.core.segments import (
     EXTRA_ARGS_KEY,
     PIN_KEY,
@@ -235,18 +235,19 @@ class RequestIntake:
         policy, bs = self.settings.policy, self.block_size
         packed, fingerprint, salt = policy.packed, self.model_fingerprint, request.cache_salt
         chunk_ids: dict[int, ChunkId | None] = {}
-        counts: list[int] = []  # per chunk, its tokens in the private stream (``layout_for``)
         for i, seg in enumerate(segments):
             if seg.kind is SegmentKind.CHUNK:
                 n = len(seg.token_ids)
                 # Shared placement: a chunk is cached if tokens are left after its private ones.
-                k = policy.private_tokens(n, bs) if packed else n
-                cached = k < n if packed else policy.placement is not Placement.NONE
+                cached = (
+                    policy.private_tokens(n, bs) < n
+                    if packed
+                    else policy.placement is not Placement.NONE
+                )
                 chunk_ids[i] = (
                     chunk_identity(seg.token_ids, bs, fingerprint, salt) if cached else None
                 )
-                counts.append(k if cached else n)
-        layout = build_packed_layout(segments, bs, counts)
+        layout = arrival_layout(segments, policy, bs)
         if layout.num_padded_tokens >= self.max_model_len:
             raise MepicCapacityError(
                 f"the prompt's block table ({layout.num_blocks} entries of {self.block_size} "

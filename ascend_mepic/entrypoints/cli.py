@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from ascend_mepic.entrypoints.streams import isolate_stdout, log, open_output, route_logs_to_stderr
+from ascend_mepic.entrypoints.streams import (
+    data_stream,
+    isolate_stdout,
+    log,
+    open_output,
+    route_logs_to_stderr,
+)
 
 
 def _tokenizer(name: str | None) -> Any:
@@ -26,7 +33,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     targets = {"smollm2": prepare_smollm2, "tiny": prepare_tiny_llama}
     names = list(targets) if args.model == "all" else [args.model]
-    out = isolate_stdout()
+    out = data_stream()
     for name in names:
         out.write(f"{name}: {targets[name](force=args.force)}\n")
     return 0
@@ -65,12 +72,20 @@ def cmd_kvsim(args: argparse.Namespace) -> int:
         trace = parse_trace(f, tok)
     placements = PLACEMENTS if args.placement == "all" else (args.placement,)
     results = [simulate(trace, p, args.num_blocks, args.block_size) for p in placements]
-    isolate_stdout().write(format_table(results) + "\n")
+    data_stream().write(format_table(results) + "\n")
     if args.json:
         data: Any = results[0] if len(results) == 1 else results
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
         log(f"wrote {args.json}")
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from ascend_mepic.entrypoints.server.launch import allow_mepic_plugins
+
+    environ = {} if args.all_installed else dict(os.environ)
+    data_stream().write(allow_mepic_plugins(environ) + "\n")
     return 0
 
 
@@ -114,6 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
     ks.add_argument("--json", help="write the result JSON here (a list for --placement all)")
     ks.set_defaults(func=cmd_kvsim)
 
+    pl = sub.add_parser(
+        "plugins",
+        help="print the VLLM_PLUGINS value that lets a plain `vllm serve` load MEPIC's endpoint",
+        description="vLLM loads endpoint plugins only when VLLM_PLUGINS names them, and a set "
+        "VLLM_PLUGINS also filters the platform and general plugins (vllm-ascend's included). "
+        "This prints every installed vLLM plugin plus ascend_mepic (or, when VLLM_PLUGINS is "
+        "set, its names plus ascend_mepic). "
+        "Use: VLLM_PLUGINS=$(ascend-mepic plugins) vllm serve ...",
+    )
+    pl.add_argument("--all-installed", action="store_true", help="ignore the current VLLM_PLUGINS")
+    pl.set_defaults(func=cmd_plugins)
+
     from ascend_mepic.eval.bench.main import add_parser as add_bench_parser
 
     add_bench_parser(sub)
@@ -130,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # Before anything imports vLLM: its logs (stdout by default) and ours go to stderr, and
     # stdout carries only the data a command writes (see streams.py).
-    argv = sys.argv[1:] if argv is None else argv
+    # Only a real process entry (argv from the command line) re-points file descriptor 1; a
+    # call from Python (tests, notebooks) writes the data to its current sys.stdout.
+    entry, argv = argv is None, (sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         route_logs_to_stderr()
         try:
@@ -140,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     route_logs_to_stderr()
     args = build_parser().parse_args(argv)  # --help is data: printed before the switch below
-    isolate_stdout()
+    if entry:
+        isolate_stdout()
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -18,6 +18,7 @@ from typing import Any
 
 from vllm import SamplingParams
 
+from ascend_mepic.core.markers import segments_from_text
 from ascend_mepic.core.segments import EXTRA_ARGS_KEY, Segment
 
 SCHEDULER_CLS = "ascend_mepic.core.scheduler.MepicScheduler"
@@ -31,6 +32,7 @@ __all__ = [
     "generate_segments",
     "mepic_llm_kwargs",
     "segment_request",
+    "segments_from_text",
     "worker_cls_for_platform",
 ]
 

@@ -3,13 +3,13 @@
 vLLM logs to stdout by default (``VLLM_LOGGING_STREAM=ext://sys.stdout``), and torch, OpenMP and
 vLLM's native code can write to file descriptor 1 directly. A command whose output is piped into
 another program (``ascend-mepic trace ... > trace.jsonl``) must not carry any of that, so every
-data-producing command calls :func:`isolate_stdout` first, before vLLM is imported, and writes
-its data only to the stream it returns:
+process entry point (the CLI, the benchmark scripts) calls :func:`isolate_stdout` first, before
+vLLM is imported, and commands write their data only to :func:`data_stream`:
 
 - vLLM's logging is pointed at stderr (``VLLM_LOGGING_STREAM``), and so is ours;
 - file descriptor 1 is re-pointed at stderr, so anything else that writes to stdout, from Python
   or native code, in this process or in the subprocesses it starts, lands in the log stream;
-- the original stdout survives as a private descriptor behind the returned text stream.
+- the original stdout survives as a private descriptor behind the data stream.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def isolate_stdout() -> TextIO:
     try:
         fd1 = sys.stdout.fileno()
     except (AttributeError, OSError, io.UnsupportedOperation):
-        # No real descriptor (an embedding host, pytest's capture): keep the Python stream.
-        _data = sys.stdout
-        return _data
+        # No real descriptor (an embedding host, pytest's capture): keep the Python stream,
+        # and look it up again next time (the host may replace it).
+        return sys.stdout
     data_fd = os.dup(fd1)
     os.dup2(sys.stderr.fileno(), fd1)
     _data = os.fdopen(data_fd, "w", encoding="utf-8", buffering=1, closefd=True)
@@ -62,10 +62,17 @@ def isolate_stdout() -> TextIO:
     return _data
 
 
+def data_stream() -> TextIO:
+    """Where a command writes its data: the isolated stdout once the process entry point
+    called :func:`isolate_stdout`, else the current ``sys.stdout`` (a command run in-process,
+    e.g. from a test, leaves the caller's descriptors alone)."""
+    return _data if _data is not None else sys.stdout
+
+
 def open_output(path: str | None) -> TextIO:
     """The stream a command's data goes to: ``path`` (``-`` or None: the data stdout)."""
     if path in (None, "-"):
-        return isolate_stdout()
+        return data_stream()
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     return p.open("w", encoding="utf-8")

@@ -14,12 +14,13 @@ from typing import Any
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
 from ascend_mepic.core.markers import MarkerError, Markers, finish_segments, split_marked_text
+from ascend_mepic.core.policies import Policy, arrival_layout
 from ascend_mepic.core.segments import (
     EXTRA_ARGS_KEY,
     LayoutError,
     Segment,
     SegmentKind,
-    layout_from_lengths,
+    parse_segment_lengths,
 )
 
 CHUNK_REF_OPEN = "<<<MEPIC_CHUNK_REF:"
@@ -100,24 +101,27 @@ def flat_segments(segments: Sequence[Segment]) -> tuple[list[int], list[str | in
     return tokens, flat
 
 
-def check_fits(lengths: object, block_size: int, max_model_len: int) -> int:
-    """Reject a layout that is malformed or whose padded prompt leaves no room to generate.
+def check_fits(lengths: object, block_size: int, max_model_len: int, policy: Policy) -> int:
+    """Reject a layout that is malformed or whose block table leaves no room to generate.
 
-    Returns the padded prompt length. The engine checks the same (and the KV pool size) and
-    finishes such requests with an error; checking here gives the client a precise 400.
+    Returns the table's slot count. The engine checks the same layout (``arrival_layout``) and
+    the KV pool size, and finishes such requests with an error; checking here gives the client
+    a precise 400 before the request reaches the engine.
     """
     try:
-        layout = layout_from_lengths(lengths, block_size)
+        segments = [Segment(kind, tuple(range(n))) for kind, n in parse_segment_lengths(lengths)]
+        layout = arrival_layout(segments, policy, block_size)
     except LayoutError as e:
         raise MepicRequestError(f"invalid {EXTRA_ARGS_KEY}: {e}") from None
-    padded = layout.num_padded_tokens
-    if padded >= max_model_len:
+    slots = layout.num_padded_tokens
+    if slots >= max_model_len:
         raise MepicRequestError(
-            f"the MEPIC layout pads this prompt of {layout.num_real_tokens} tokens to {padded} "
-            f"(every segment but the last takes whole blocks of {block_size}); it must be "
+            f"MEPIC's block table for this prompt of {layout.num_real_tokens} tokens has "
+            f"{layout.num_blocks} entries of {block_size} slots ({slots}: its private blocks "
+            f"plus one entry per block each chunk's shared tokens may touch); it must be "
             f"shorter than max_model_len {max_model_len} to leave room for output"
         )
-    return padded
+    return slots
 
 
 def tokenizer_adds_bos(tokenizer: Any) -> bool:

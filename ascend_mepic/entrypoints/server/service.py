@@ -114,6 +114,7 @@ class MepicService:
         self.markers = Markers(config.chunk_begin, config.chunk_end)
         self.block_size: int = vllm_config.cache_config.block_size
         self.max_model_len: int = vllm_config.model_config.max_model_len
+        self.policy = config.parsed_policy
         self.chat_template = load_chat_template(args.chat_template)
         self.trust_request_chat_template = bool(args.trust_request_chat_template)
         self.sse_keep_alive = float(getattr(args, "sse_keep_alive_interval", 0) or 0)
@@ -187,7 +188,7 @@ class MepicService:
             segs = await self.segments(texts[0], request.cache_salt, request.add_special_tokens)
             tokens, flat = flat_segments(segs)
             xargs[EXTRA_ARGS_KEY] = flat
-            check_fits(flat, self.block_size, self.max_model_len)
+            check_fits(flat, self.block_size, self.max_model_len, self.policy)
             return request.model_copy(update={"prompt": tokens, "vllm_xargs": xargs})
         ids: list[int] | None = None
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -202,7 +203,7 @@ class MepicService:
             layout_from_real(ids, xargs[EXTRA_ARGS_KEY], self.block_size)
         except LayoutError as e:
             raise MepicRequestError(f"invalid {EXTRA_ARGS_KEY}: {e}") from None
-        check_fits(xargs[EXTRA_ARGS_KEY], self.block_size, self.max_model_len)
+        check_fits(xargs[EXTRA_ARGS_KEY], self.block_size, self.max_model_len, self.policy)
         return request
 
     async def run_completion(
@@ -296,7 +297,7 @@ class MepicService:
         text = await self._in_thread(self._render_chat, request, messages)
         segs = await self.segments(text, request.cache_salt, request.add_special_tokens)
         tokens, flat = flat_segments(segs)
-        check_fits(flat, self.block_size, self.max_model_len)
+        check_fits(flat, self.block_size, self.max_model_len, self.policy)
         fields = request.model_dump(exclude_unset=True)
         body = {k: fields[k] for k in _CHAT_TO_COMPLETION_FIELDS if k in fields}
         xargs = dict(request.vllm_xargs or {})
@@ -321,7 +322,7 @@ class MepicService:
             (t for t in (tok.eos_token_id, tok.bos_token_id) if t is not None), token_ids[-1]
         )
         flat: list[str | int] = [SegmentKind.CHUNK.value, len(token_ids), "prompt", 1]
-        check_fits(flat, self.block_size, self.max_model_len)
+        check_fits(flat, self.block_size, self.max_model_len, self.policy)
         request = CompletionRequest(
             prompt=[*token_ids, tail],
             max_tokens=1,
@@ -370,15 +371,21 @@ class MepicService:
         return released[1]
 
     def chunk_json(self, chunk: RegisteredChunk) -> dict[str, Any]:
-        blocks = -(-len(chunk.token_ids) // self.block_size)
+        n = len(chunk.token_ids)
+        # What each request recomputes in its own context and what is stored once (canonical
+        # tokens, packed back to back with other chunks' so they may touch one block more).
+        private = (
+            min(self.policy.private_tokens(n, self.block_size), n) if self.policy.packed else n
+        )
+        shared = n - private
         return {
             "id": chunk.id,
             "object": "mepic.chunk",
             "created": int(chunk.created),
-            "num_tokens": len(chunk.token_ids),
-            "num_blocks": blocks,
-            # Only blocks after a chunk's first are shared; a one-block chunk has none.
-            "num_shared_blocks": max(0, blocks - 1),
+            "num_tokens": n,
+            "num_private_tokens": private,
+            "num_shared_tokens": shared,
+            "num_shared_blocks": -(-shared // self.block_size),
             "salted": chunk.cache_salt is not None,
             "ref": chunk_ref(chunk.id),
             "holders": self.registry.holders(chunk.id),  # registrations not yet deleted

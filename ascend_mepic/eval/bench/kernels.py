@@ -230,9 +230,9 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(text + "\n", encoding="utf-8")
-    from ascend_mepic.entrypoints.streams import isolate_stdout
+    from ascend_mepic.entrypoints.streams import data_stream
 
-    isolate_stdout().write(text + "\n")
+    data_stream().write(text + "\n")
     return 0
 
 

@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from ascend_mepic.entrypoints.streams import isolate_stdout, log
+from ascend_mepic.entrypoints.streams import data_stream, log
 from ascend_mepic.eval.bench import stats
 
 DEFAULT_COMPARE = ["full", "prefix", "naive", "epic-16", "cacheblend-15", "cachetune-15", "mepic"]
@@ -203,7 +203,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         rows, str(out / "report.md"), str(plot) if plotted else None
     )
     (out / "summary.md").write_text(summary, encoding="utf-8")
-    isolate_stdout().write(summary)
+    data_stream().write(summary)
     return 0
 
 
@@ -226,7 +226,7 @@ def _sweep(args: argparse.Namespace, points: list, xname: str, name: str, paper:
         rows, f"MEPIC bench: {xname} sweep", xname, paper, _notes(args)
     )
     (out / "report.md").write_text(report, encoding="utf-8")
-    isolate_stdout().write(report)
+    data_stream().write(report)
     log(f"wrote {out}")
     return 0
 
@@ -289,7 +289,7 @@ def cmd_workload(args: argparse.Namespace) -> int:
         )
     report = "\n".join(lines) + "\n"
     (out / "report.md").write_text(report, encoding="utf-8")
-    isolate_stdout().write(report)
+    data_stream().write(report)
     log(f"wrote {out}")
     return 0
 

@@ -1,0 +1,222 @@
+"""The documented commands run as written, so a change that breaks one fails CI.
+
+Code blocks marked ``doc-test:NAME`` in their fence (```` ```bash doc-test:serve ````) are taken
+from README.md and docs/serving.md verbatim; only the model (SmolLM2 -> the tiny random Llama,
+which `make test` builds in seconds) and the port (8000 -> a free one) are substituted. Every
+`ascend-mepic` command in the README's tools table, and every subcommand the CLI has, runs with
+``--help``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ascend_mepic.eval.prepare import prepare_tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+DOCUMENTED_MODEL = "~/.cache/ascend_mepic/models/smollm2-135m-instruct"
+SESSION_TIMEOUT_S = 420
+_FENCE = re.compile(r"^```(\w+) doc-test:([\w-]+)\n(.*?)^```$", re.M | re.S)
+
+
+def doc_blocks() -> dict[str, tuple[str, str, str]]:
+    """name -> (file, language, code) for every marked block."""
+    blocks: dict[str, tuple[str, str, str]] = {}
+    for rel in ("README.md", "docs/serving.md"):
+        for lang, name, code in _FENCE.findall((REPO / rel).read_text(encoding="utf-8")):
+            assert name not in blocks, f"doc-test:{name} appears twice"
+            blocks[name] = (rel, lang, code)
+    return blocks
+
+
+def test_the_docs_mark_their_runnable_blocks():
+    assert set(doc_blocks()) == {"serve", "offline", "plain-vllm"}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("VLLM_PLUGINS", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> str:
+    return str(prepare_tiny_llama())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _substitute(code: str, model: str, port: int) -> str:
+    assert DOCUMENTED_MODEL in code, "the documented model path changed: update this test"
+    code = code.replace(DOCUMENTED_MODEL, model).replace(
+        "prepare --model smollm2", "prepare --model tiny"
+    )
+    assert "8000" in code
+    return code.replace("8000", str(port))
+
+
+class _Session:
+    """A shell block that starts a server in the background and talks to it, run as written;
+    the server (and anything else the block started) is killed when it ends."""
+
+    def __init__(self, name: str, model: str, tmp_path: Path) -> None:
+        _, lang, code = doc_blocks()[name]
+        assert lang == "bash"
+        self.name, self.out, self.err = name, tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+        script = "set -euo pipefail\n" + _substitute(code, model, _free_port())
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                ["bash", "-c", script], stdout=out, stderr=err, env=_env(), start_new_session=True
+            )
+
+    def finish(self, deadline: float) -> tuple[int | None, str, str]:
+        try:
+            rc = self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rc = None
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+                time.sleep(2)
+            except ProcessLookupError:
+                break
+        return rc, self.out.read_text(), self.err.read_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def sessions(tiny_model, tmp_path_factory) -> dict[str, tuple[int | None, str, str]]:
+    """Both server sessions at once: most of each is start-up, which overlaps well."""
+    tmp = tmp_path_factory.mktemp("doc-sessions")
+    running = [_Session(name, tiny_model, tmp) for name in ("serve", "plain-vllm")]
+    deadline = time.monotonic() + SESSION_TIMEOUT_S
+    return {s.name: s.finish(deadline) for s in running}
+
+
+def _session_output(sessions, name: str) -> str:
+    rc, out, err = sessions[name]
+    assert rc == 0, f"doc-test:{name} exited {rc}\nstdout:\n{out}\nstderr:\n{err}"
+    return out
+
+
+def test_readme_serve_session(sessions):
+    out = _session_output(sessions, "serve")
+    assert '"choices"' in out and '"text"' in out, out
+    assert re.search(r"^ascend_mepic_chunk_\w+ ", out, re.M), out
+
+
+def test_serving_md_plain_vllm_command(sessions):
+    out = _session_output(sessions, "plain-vllm")
+    assert '"choices"' in out and '"text"' in out, out
+
+
+def test_readme_offline_snippet(tiny_model):
+    _, lang, code = doc_blocks()["offline"]
+    assert lang == "python"
+    assert DOCUMENTED_MODEL in code
+    code = code.replace(DOCUMENTED_MODEL, tiny_model)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+GROUPS = ("bench", "trace")  # commands whose second word is a subcommand
+
+
+def _documented_commands() -> list[list[str]]:
+    """``ascend-mepic`` commands in the README's tools table, alternatives expanded."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    commands = []
+    for cell in re.findall(r"^\| `ascend-mepic ([^`]*)` \|", text, re.M):
+        words = cell.split()
+        if words[0] in GROUPS:
+            commands += [[words[0], alt] for alt in words[1].replace("\\", "").split("|")]
+        else:
+            commands.append([words[0]])
+    return commands
+
+
+def _cli_commands() -> list[list[str]]:
+    from ascend_mepic.entrypoints.cli import build_parser
+
+    def subcommands(parser) -> dict:
+        return next(
+            (a.choices for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"),
+            {},
+        )
+
+    commands = []
+    for name, parser in subcommands(build_parser()).items():
+        if name == "serve":  # vLLM's parser: test_serve_help_is_vllms_parser
+            continue
+        commands += [[name, s] for s in subcommands(parser)] or [[name]]
+    return commands
+
+
+def test_every_cli_command_is_documented_and_has_help(capsys):
+    from ascend_mepic.entrypoints.cli import main
+
+    documented = _documented_commands()
+    missing = [c for c in _cli_commands() if c not in documented]
+    assert not missing, f"CLI commands missing from README's tools table: {missing}"
+    for command in documented:
+        with pytest.raises(SystemExit) as e:
+            main([*command, "--help"])
+        assert e.value.code == 0, command
+        assert "usage: ascend-mepic" in capsys.readouterr().out, command
+
+
+def test_serve_help_is_vllms_parser():
+    r = subprocess.run(
+        [sys.executable, "-m", "ascend_mepic.entrypoints.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--scheduler-cls" in r.stdout and "--additional-config" in r.stdout
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors (lower case, punctuation dropped, spaces to dashes) and
+    explicit ``<a id>`` ones."""
+    text = path.read_text(encoding="utf-8")
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)  # '#' in code is no heading
+    anchors = set(re.findall(r'<a id="([^"]+)"', text))
+    for heading in re.findall(r"^#+ (.+)$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(slug)
+    return anchors
+
+
+def test_links_between_docs_resolve():
+    files = [REPO / "README.md", REPO / "CHANGELOG.md", *REPO.glob("docs/*.md")]
+    files += [REPO / "tests/README.md", REPO / "requirements/README.md"]
+    broken = []
+    for f in files:
+        text = re.sub(r"^```.*?^```", "", f.read_text(encoding="utf-8"), flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            path, _, anchor = target.partition("#")
+            dest = (f.parent / path).resolve() if path else f
+            if not dest.exists():
+                broken.append(f"{f.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{f.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
