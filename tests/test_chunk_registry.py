@@ -12,6 +12,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from ascend_mepic.core.policies import parse_policy
 from ascend_mepic.core.segments import PIN_KEY, UNPIN_KEY
 from ascend_mepic.entrypoints.server import (
     ChunkRegistry,
@@ -174,6 +175,7 @@ def _app() -> tuple[FastAPI, list[tuple[str, tuple[int, ...]]]]:
     service = MepicService.__new__(MepicService)
     service.registry = ChunkRegistry()
     service.block_size = 2
+    service.policy = parse_policy("mepic")
     service.engine_client = type("Engine", (), {"model_config": _Model()})()
     controls: list[tuple[str, tuple[int, ...]]] = []
 
