@@ -430,6 +430,7 @@ def test_serve_defaults_merge_with_user_options():
     assert a.scheduler_cls == "ascend_mepic.core.scheduler.MepicScheduler"
     assert a.worker_cls == "ascend_mepic.worker.cpu_worker.MepicCPUWorker"
     assert a.enable_prefix_caching is True and a.block_size == 32
+    assert a.async_scheduling is False
     assert a.additional_config["mepic"]["stats_file"].startswith(temp)
     shutil.rmtree(temp)
 
@@ -439,6 +440,8 @@ def test_serve_defaults_merge_with_user_options():
     assert a.additional_config == {"x": 1, "mepic": {"stats_file": "/s.json"}}
     with pytest.raises(ValueError, match="prefix caching"):
         apply_mepic_defaults(args(enable_prefix_caching=False), is_cpu=True)
+    with pytest.raises(ValueError, match="async scheduling"):
+        apply_mepic_defaults(args(async_scheduling=True), is_cpu=True)
     with pytest.raises(ValueError, match="unknown MEPIC option"):
         apply_mepic_defaults(
             args(additional_config={"mepic": {"bogus": 1, "stats_file": "/s"}}), is_cpu=True

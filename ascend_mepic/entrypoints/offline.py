@@ -61,6 +61,9 @@ def mepic_llm_kwargs(**options: Any) -> dict[str, Any]:
     eager = {"enforce_eager": True} if worker_cls == NPU_WORKER_CLS else {}
     return {
         **eager,
+        # vLLM 0.30.0 turns async scheduling on by default (the CPU platform turns it off):
+        # MEPIC's step plan must describe the step the worker runs next.
+        "async_scheduling": False,
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": worker_cls,
         "additional_config": {"mepic": dict(options)},

@@ -3,8 +3,21 @@
 UNTESTED ON HARDWARE: checked on x86 with vllm-ascend's real Python classes and a torch_npu double
 (``make test-ascend``), never on an Ascend NPU.
 
-Four things vLLM's documented hooks do not reach on vllm-ascend:
+Five things vLLM's documented hooks do not reach on vllm-ascend:
 
+* **MEPIC's key in ``additional_config``.** vllm-ascend validates every ``additional_config`` key
+  as an ``AscendConfig`` field (``init_ascend_config``: a pydantic dataclass with
+  ``extra="forbid"``), in the platform's config check, in the engine-core process
+  (``run_engine_core`` patch) and in ``NPUWorker.__init__``; ``{"mepic": {...}}`` would stop
+  every one of them. ``hide_plugin_keys`` makes ``additional_config`` a dict that keeps the
+  ``mepic`` entry for whoever asks for it by name (MEPIC's scheduler, worker and server) and
+  leaves it out when iterated (how ``init_ascend_config`` collects its fields), pickles with it,
+  and leaves vllm-ascend's own keys, typos included, to its validation. The clean fix is
+  upstream: an allowlist of plugin keys in ``init_ascend_config`` (it has one for vLLM-Omni).
+* **Async scheduling.** vLLM 0.30.0 turns it on by default before the platform's check; the CPU
+  platform turns it off, vllm-ascend does not. MEPIC's step plan must describe the step the
+  worker runs next, so ``select_mepic_from_config`` turns it off (logged) before vllm-ascend
+  picks its scheduler classes from it; likewise eager mode (``use_eager_mode``).
 * **Worker and scheduler choice.** ``vllm serve MODEL --additional-config '{"mepic": {}}'`` must
   start MEPIC's worker and scheduler, but ``NPUPlatform.check_and_update_config`` replaces an
   ``auto`` worker with its own and is the only code that sees the final config before the
@@ -35,6 +48,67 @@ import torch
 # vllm-ascend 0.30.0rc2's path for the standard attention backend (``NPUPlatform``'s backend map).
 ASCEND_STANDARD_BACKEND = "vllm_ascend.attention.attention_v1.AscendAttentionBackend"
 MEPIC_NPU_BACKEND = "ascend_mepic.worker.npu_attention.MepicAscendAttentionBackend"
+
+
+MEPIC_KEY = "mepic"
+
+
+class PluginKeysHidden(dict):
+    """``additional_config`` with MEPIC's entry kept out of iteration. Why: see the module
+    docstring. Lookups by name (``d["mepic"]``, ``"mepic" in d``, ``d.get``) see it; iteration,
+    ``keys()``, ``items()``, ``values()``, ``dict(d)`` and ``{**d}`` do not; pickling and copies
+    keep it (the engine core and the workers get the config pickled)."""
+
+    HIDDEN = frozenset({MEPIC_KEY})
+
+    def __iter__(self):
+        return (k for k in dict.__iter__(self) if k not in self.HIDDEN)
+
+    def keys(self):  # type: ignore[override]
+        return list(self)
+
+    def items(self):  # type: ignore[override]
+        return [(k, self[k]) for k in self]
+
+    def values(self):  # type: ignore[override]
+        return [self[k] for k in self]
+
+    def __reduce__(self):
+        return (type(self), (dict(dict.items(self)),))
+
+
+def hide_plugin_keys(additional_config: dict) -> PluginKeysHidden:
+    """``additional_config`` as vllm-ascend may validate it, MEPIC's entry still readable."""
+    if isinstance(additional_config, PluginKeysHidden):
+        return additional_config
+    return PluginKeysHidden(dict.items(additional_config))
+
+
+def turn_off_async_scheduling(vllm_config) -> None:
+    """MEPIC's step plan describes the step the worker runs next; async scheduling plans one
+    step ahead. vLLM 0.30.0 resolves it (default on) before the platform's check."""
+    import logging
+
+    scheduler = vllm_config.scheduler_config
+    if scheduler.async_scheduling:
+        logging.getLogger(__name__).warning(
+            "MEPIC turns async scheduling off: its step plan must describe the step the worker "
+            "runs next"
+        )
+    scheduler.async_scheduling = False
+
+
+def use_eager_mode(vllm_config) -> None:
+    """MEPIC's per-step tables are not captured into ACL graphs: eager mode, set before
+    vllm-ascend's check so that it turns compilation off itself (as for ``--enforce-eager``)."""
+    from vllm.config import CUDAGraphMode
+
+    if vllm_config.model_config is not None and not vllm_config.model_config.enforce_eager:
+        import logging
+
+        logging.getLogger(__name__).info("MEPIC on Ascend runs in eager mode: enforce_eager set")
+        vllm_config.model_config.enforce_eager = True
+    vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
 
 
 class UnsupportedAscendLayout(RuntimeError):
@@ -82,10 +156,15 @@ def select_mepic_from_config() -> None:
         return
 
     def check_and_update_config(cls, vllm_config) -> None:
-        mepic_on = "mepic" in (vllm_config.additional_config or {})
-        parallel = vllm_config.parallel_config
-        if mepic_on and parallel is not None and parallel.worker_cls == "auto":
-            parallel.worker_cls = NPU_WORKER_CLS  # vllm-ascend keeps a worker that is not auto
+        additional = vllm_config.additional_config
+        mepic_on = isinstance(additional, dict) and MEPIC_KEY in additional
+        if mepic_on:
+            vllm_config.additional_config = hide_plugin_keys(additional)
+            parallel = vllm_config.parallel_config
+            if parallel is not None and parallel.worker_cls == "auto":
+                parallel.worker_cls = NPU_WORKER_CLS  # vllm-ascend keeps a non-auto worker
+            turn_off_async_scheduling(vllm_config)
+            use_eager_mode(vllm_config)
         current(vllm_config)
         if not mepic_on:
             return

@@ -54,10 +54,14 @@ def check_block_table(table: Any, block_size: int) -> None:
     """MEPIC addresses KV by manager block; refuse vLLM 0.30.0's kernel-block split.
 
     Why: if the attention backend's kernel block size differs from the KV manager's, vLLM
-    0.30.0's ``BlockTable`` stores kernel block ids (``blocks_per_kv_block`` > 1) and MEPIC's
+    0.30.0's ``BlockTable`` stores kernel block ids (more than one per KV block) and MEPIC's
     slot arithmetic would address the wrong slots.
     """
-    split = getattr(table, "blocks_per_kv_block", 1)
+    # vLLM's BlockTable names the split ``blocks_per_kv_block``; vllm-ascend 0.30.0rc2's own
+    # BlockTable ``blocks_per_phys_block`` (its ``block_size`` is then the kernel block size).
+    split = getattr(table, "blocks_per_kv_block", None)
+    if split is None:
+        split = getattr(table, "blocks_per_phys_block", 1)
     if split != 1 or getattr(table, "block_size", block_size) != block_size:
         raise StepPlanError(
             f"vLLM split the KV block size {block_size} into kernel blocks ({split} per block); "

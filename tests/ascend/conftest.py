@@ -223,6 +223,11 @@ def _install_stubs() -> None:
         pass
     if not hasattr(torch.version, "cann"):  # set by torch_npu; None: no CANN (no HCCL library)
         torch.version.cann = None
+    # torch_npu adds this to torch.distributed at import; without CANN there is no HCCL.
+    import torch.distributed
+
+    if not hasattr(torch.distributed, "is_hccl_available"):
+        torch.distributed.is_hccl_available = lambda: False
 
     # vLLM decides at import whether to pin host buffers; the NPU platform says yes, but pinning
     # needs PrivateUse1 hooks that only the real torch_npu registers. Both bindings matter

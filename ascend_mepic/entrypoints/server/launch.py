@@ -73,6 +73,12 @@ def apply_mepic_defaults(args: Namespace, is_cpu: bool) -> str | None:
     if args.enable_prefix_caching is False:
         raise ValueError("MEPIC needs prefix caching; drop --no-enable-prefix-caching")
     args.enable_prefix_caching = True
+    if getattr(args, "async_scheduling", None):
+        raise ValueError(
+            "MEPIC does not run with async scheduling (its step plan must describe the step the "
+            "worker runs next); drop --async-scheduling"
+        )
+    args.async_scheduling = False  # vLLM 0.30.0's default is on outside the CPU platform
     if is_cpu and args.block_size is None:
         args.block_size = CPU_BLOCK_SIZE
     if args.worker_cls == NPU_WORKER_CLS and not args.enforce_eager:
