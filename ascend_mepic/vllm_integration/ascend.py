@@ -197,6 +197,23 @@ def override_oot_op(name: str, op_cls: type) -> None:
         CustomOp.register_oot(op_cls, name=name)
 
 
+HEAD_MAJOR_LAYOUTS = ("HND", "LBHNC")
+
+
+def refuse_head_major_layout() -> None:
+    """vllm-ascend allocates ``[2, nb, Hkv, B, D]`` under ``VLLM_KV_CACHE_LAYOUT=HND`` (or
+    ``LBHNC``): the same strides as the default ``[2, nb, B, Hkv, D]``, so the shape alone cannot
+    tell them apart and MEPIC's ops would read heads as slots. Refused by name instead."""
+    import vllm.envs as envs
+
+    layout = envs.VLLM_KV_CACHE_LAYOUT
+    if layout in HEAD_MAJOR_LAYOUTS:
+        raise UnsupportedAscendLayout(
+            f"VLLM_KV_CACHE_LAYOUT={layout}: MEPIC supports vllm-ascend's default "
+            "[2, num_blocks, block_size, kv_heads, head_size] layout only; unset the variable"
+        )
+
+
 def kv_pair_view(kv_cache: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     """The ops' ``[2, num_blocks, B, Hkv, D]`` view of one layer's vllm-ascend ``(K, V)`` pair.
 
@@ -204,6 +221,7 @@ def kv_pair_view(kv_cache: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tenso
     allocates one buffer per layer and hands out ``(kv[0], kv[1])`` views with block stride
     ``2 * B * Hkv * D`` and V one block-half after K. A 5-D tensor is taken as already viewed.
     """
+    refuse_head_major_layout()
     if isinstance(kv_cache, torch.Tensor):
         if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
             raise UnsupportedAscendLayout(f"expected [2, nb, B, H, D], got {tuple(kv_cache.shape)}")

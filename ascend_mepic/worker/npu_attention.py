@@ -26,7 +26,12 @@ import torch
 from vllm_ascend.attention.attention_v1 import AscendAttentionBackend
 
 from ascend_mepic.ops.npu import get_npu_ops
-from ascend_mepic.vllm_integration.ascend import kv_pair_view, paired_caches, paired_slots
+from ascend_mepic.vllm_integration.ascend import (
+    kv_pair_view,
+    paired_caches,
+    paired_slots,
+    refuse_head_major_layout,
+)
 from ascend_mepic.worker.attention import (
     MepicAttentionImpl,
     MepicAttentionMetadata,
@@ -98,6 +103,19 @@ class MepicAscendAttentionBackend(AscendAttentionBackend):
     @classmethod
     def supports_sliding_window(cls) -> bool:
         return False
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "",
+    ) -> tuple[int, ...]:
+        refuse_head_major_layout()  # before anything is allocated
+        return AscendAttentionBackend.get_kv_cache_shape(
+            num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str
+        )
 
     @staticmethod
     def get_impl_cls() -> type[MepicNPUAttentionImpl]:
