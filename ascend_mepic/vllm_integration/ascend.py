@@ -252,25 +252,3 @@ def kv_pair_view(kv_cache: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tenso
 def block_major_buffer(kv_cache: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     """The same memory as a contiguous ``[num_blocks, 2, B, Hkv, D]`` tensor (``tier.transfer``)."""
     return kv_pair_view(kv_cache).transpose(0, 1)
-
-
-def paired_caches(view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contiguous ``[2 * nb - 1, B, Hkv, D]`` K and V caches over a block-major ``view``.
-
-    ``npu_scatter_pa_kv_cache`` documents contiguous caches; vllm-ascend's K and V views are
-    strided. Seen as ``2 * nb`` half-blocks, K of block ``b`` is half-block ``2b`` and V is
-    ``2b + 1``: the K cache starts at the buffer, the V cache one half-block later, and both take
-    the slot ``2 * b * B + t`` (``paired_slots``).
-    """
-    _, nb, bs, h, d = view.shape
-    half = bs * h * d
-    base = view[0]
-    shape, strides = (2 * nb - 1, bs, h, d), (half, h * d, d, 1)
-    k = torch.as_strided(base, shape, strides, base.storage_offset())
-    v = torch.as_strided(base, shape, strides, base.storage_offset() + half)
-    return k, v
-
-
-def paired_slots(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Flat slots of block ``b``, slot ``t`` in ``paired_caches``: ``2 * b * B + t``."""
-    return slot_mapping + (slot_mapping // block_size) * block_size

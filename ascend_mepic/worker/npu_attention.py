@@ -11,9 +11,10 @@ calls ``do_kv_cache_update``, so ``forward`` writes K/V first). The impl and bui
 
 * the per-layer cache is vllm-ascend's ``(K, V)`` pair of strided views, viewed as the ops'
   ``[2, num_blocks, B, Hkv, D]`` (``vllm_integration.ascend.kv_pair_view``);
-* K/V are written with ``torch_npu.npu_scatter_pa_kv_cache`` (``cache_mode="Norm"``) into the
-  contiguous half-block caches over the same buffer (``paired_caches``, slots remapped by one
-  elementwise op); float32 caches (which the op does not take) are written by indexing;
+* K/V are written with ``torch_npu.npu_scatter_pa_kv_cache`` (``cache_mode="Norm"``) into
+  vllm-ascend's strided K and V views with int32 slots, as vllm-ascend's own
+  ``DeviceOperator.reshape_and_cache`` does; float32 caches (which the op does not take) are
+  written by indexing;
 * attention dispatches to the triton-ascend kernel, or the torch_npu composition without
   triton-ascend (``ascend_mepic.ops.select_impl``).
 """
@@ -28,8 +29,6 @@ from vllm_ascend.attention.attention_v1 import AscendAttentionBackend
 from ascend_mepic.ops.npu import get_npu_ops
 from ascend_mepic.vllm_integration.ascend import (
     kv_pair_view,
-    paired_caches,
-    paired_slots,
     refuse_head_major_layout,
 )
 from ascend_mepic.worker.attention import (
@@ -64,13 +63,12 @@ class MepicNPUAttentionImpl(MepicAttentionImpl):
         if view.dtype not in SCATTER_DTYPES:
             super().write_kv(key, value, view, slots)
             return
-        k_cache, v_cache = paired_caches(view)
         get_npu_ops().npu_scatter_pa_kv_cache(
             key.to(view.dtype).contiguous(),
             value.to(view.dtype).contiguous(),
-            k_cache,
-            v_cache,
-            paired_slots(slots, view.shape[2]),
+            view[0],  # vllm-ascend's K view [num_blocks, B, Hkv, D] (block-strided)
+            view[1],
+            slots.to(torch.int32),
             cache_mode="Norm",
         )
 

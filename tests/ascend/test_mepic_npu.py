@@ -266,7 +266,9 @@ def test_vllm_ascend_allocates_mepic_layers_the_layout_mepic_views(allocate_kv):
     assert block_major[3, 0, 7, 1].eq(1).all() and block_major[4, 1, 0, 0].eq(2).all()
 
 
-def test_scatter_into_paired_caches_equals_indexed_write(npu_ops, allocate_kv):
+def test_scatter_into_vllm_ascends_strided_views_equals_indexed_write(npu_ops, allocate_kv):
+    """The KV write as vllm-ascend's ``DeviceOperator.reshape_and_cache`` makes it: its K and V
+    views (block-strided) and int32 slots."""
     k, v = ascend_kv_pair(allocate_kv, 6, 2, 64, torch.bfloat16)
     view = va.kv_pair_view((k, v))
     want = view.clone()
@@ -274,12 +276,13 @@ def test_scatter_into_paired_caches_equals_indexed_write(npu_ops, allocate_kv):
     key = torch.randn(6, 2, 64).bfloat16()
     value = torch.randn(6, 2, 64).bfloat16()
     write_kv(key, value, want, slots)
-    k_cache, v_cache = va.paired_caches(view)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    npu_ops.npu_scatter_pa_kv_cache(
-        key, value, k_cache, v_cache, va.paired_slots(slots, BS), cache_mode="Norm"
-    )
+    assert not k.is_contiguous() and k[0].is_contiguous()
+    npu_ops.npu_scatter_pa_kv_cache(key, value, k, v, slots.to(torch.int32), cache_mode="Norm")
     assert torch.equal(view, want)
+    with pytest.raises(Exception, match="block-strided"):  # other strides are refused
+        npu_ops.npu_scatter_pa_kv_cache(
+            key, value, k.transpose(1, 2), v.transpose(1, 2), slots, cache_mode="Norm"
+        )
 
 
 def test_other_layouts_are_refused():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,6 @@ def test_block_table_split_is_refused_under_vllm_ascends_attribute_name():
 def test_head_major_kv_layout_is_refused_before_allocation(monkeypatch, layout):
     """vllm-ascend's head-major layouts have the default layout's strides, so MEPIC refuses
     them by name, when the KV shape is asked for (before allocation) and when viewing."""
-    import torch
     from vllm_ascend.attention.attention_v1 import AscendAttentionBackend
 
     from ascend_mepic.vllm_integration.ascend import UnsupportedAscendLayout, kv_pair_view

@@ -809,15 +809,21 @@ def _write_slots(
     slots: torch.Tensor,
     slot_name: str,
 ) -> None:
-    """The ND slot write of both cache ops: checks, then ``cache.view(-1, N, D)[s] = x``."""
-    for name, t in (
-        ("key", key),
-        ("value", value),
-        ("key_cache", key_cache),
-        ("value_cache", value_cache),
-        (slot_name, slots),
-    ):
+    """The ND slot write of both cache ops: checks, then ``cache[s // B, s % B] = x``.
+
+    Caches: contiguous, or block-strided, i.e. each block's ``[B, N, D]`` rows contiguous with
+    blocks further apart. The op docs say "non-contiguous inputs are not supported", but
+    vllm-ascend 0.30.0rc2 itself passes block-strided caches: ``DeviceOperator.reshape_and_cache``
+    (``vllm_ascend/device/device_op.py``) hands ``kv_cache[0]`` and ``kv_cache[1]`` of the
+    per-layer buffer ``NPUModelRunner._reshape_kv_cache_tensors`` allocates (each block: K then
+    V) straight to this op. Any other stride pattern is rejected."""
+    for name, t in (("key", key), ("value", value), (slot_name, slots)):
         _require(t.is_contiguous(), f"{name} must be contiguous")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _require(
+            t.dim() == 4 and (t.is_contiguous() or t[0].is_contiguous()),
+            f"{name} must be contiguous or block-strided (each block's rows contiguous)",
+        )
     _require(key.dtype in KV_CACHE_DTYPES, f"key dtype {key.dtype} not supported on A2")
     _require(
         value.dtype == key_cache.dtype == value_cache.dtype == key.dtype,
@@ -846,8 +852,9 @@ def _write_slots(
             f"{slot_name} values must lie in [0, num_blocks * block_size - 1] (no -1 padding)",
         )
         _require(s.unique().numel() == t, f"{slot_name} values must be distinct")
-    key_cache.view(-1, n, dk).index_copy_(0, s, key)
-    value_cache.view(-1, n, dv).index_copy_(0, s, value)
+    blocks, offsets = s // block_size, s % block_size
+    key_cache[blocks, offsets] = key
+    value_cache[blocks, offsets] = value
 
 
 def _to_bnsd(t: torch.Tensor, layout: str, heads: int) -> torch.Tensor:
