@@ -6,7 +6,8 @@ vllm-ascend's own CPU unit tests do (``tests/ut/conftest.py`` of its sdist):
 
 * ``torch_npu``: a module whose ops that ``tests.ops.npu_double.NpuOpsDouble`` models are routed,
   at call time, to the one shared double (fixture ``npu_ops``, a fresh one per test); any other
-  attribute is a ``MagicMock``. Its submodules (``torch_npu._C._distributed_c10d``,
+  name is ``Unmodelled``: lenient to look at (vllm-ascend's modules touch many torch_npu names
+  at import), raising when called or tested for truth, so an unmodelled device call fails. Its submodules (``torch_npu._C._distributed_c10d``,
   ``torch_npu.profiler``, ``torch_npu.op_plugin.atb._atb_ops``, ...) are made on import.
 * ``torch.npu`` (the same object as ``torch_npu.npu``, as with the real torch_npu): a device API
   with no device (``is_available()`` is False, ``current_device()`` is ``"cpu"`` so that
@@ -78,13 +79,42 @@ def _is_dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
 
 
+class Unmodelled:
+    """What a stub module hands out for a name nobody modelled: lenient to look at, strict to use.
+
+    Attribute access (``torch_npu.profiler.ProfilerActivity.NPU``) and ``from ... import``
+    succeed, because vllm-ascend's modules touch many torch_npu names at import without calling
+    them; calling one, or using it as a number, raises, naming it. So a device call the double
+    does not model fails the test instead of returning a ``MagicMock``.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        if _is_dunder(attr):
+            raise AttributeError(attr)
+        value = Unmodelled(f"{self._name}.{attr}")
+        object.__setattr__(self, attr, value)
+        return value
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{self._name}() is not modelled by the torch_npu double")
+
+    def __repr__(self) -> str:
+        return f"<unmodelled {self._name}>"
+
+    def __bool__(self) -> bool:
+        raise NotImplementedError(f"{self._name} is not modelled by the torch_npu double")
+
+
 class StubModule(types.ModuleType):
-    """A module whose missing attributes are ``MagicMock`` s, made on first access and then kept."""
+    """A module whose missing attributes are ``Unmodelled``, made on first access and kept."""
 
     def __getattr__(self, name: str) -> Any:
         if _is_dunder(name):
             raise AttributeError(name)
-        value = MagicMock(name=f"{self.__name__}.{name}")
+        value = Unmodelled(f"{self.__name__}.{name}")
         setattr(self, name, value)
         return value
 
@@ -113,7 +143,8 @@ ROUTER = _OpsRouter()
 
 
 class TorchNpuModule(StubModule):
-    """``torch_npu``: ops modelled by ``NpuOpsDouble`` go to ``ROUTER.double``; the rest mocks.
+    """``torch_npu``: ops modelled by ``NpuOpsDouble`` go to ``ROUTER.double``; the rest are
+    ``Unmodelled`` (calling one raises).
 
     Modelled ops are looked up on every access and never stored on the module, so an op added to
     ``NpuOpsDouble`` is routed without any change here, and ``monkeypatch`` / ``mock.patch`` of a
@@ -188,6 +219,11 @@ def _torch_npu_device_module() -> StubModule:
         "reset_peak_memory_stats": lambda *a, **k: None,
         "memory_stats": lambda *a, **k: {"allocated_bytes.all.peak": 0},
         "get_device_name": lambda *a, **k: "Ascend910B1",
+        # torch.manual_seed seeds the PrivateUse1 device through these; tensors here live on
+        # the CPU, whose generator torch.manual_seed seeds itself.
+        "_is_in_bad_fork": lambda: False,
+        "manual_seed_all": lambda seed: None,
+        "manual_seed": lambda seed: None,
         # Ascend910B1 in torch_npu's numbering (vllm_ascend.device.hardware: 220-225 are A2).
         "get_soc_version": lambda: 220,
         "Stream": _NpuStream,

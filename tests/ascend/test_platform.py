@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.metadata
 from pathlib import Path
-from unittest.mock import MagicMock
 
 import pytest
 import torch
@@ -85,6 +84,9 @@ def test_torch_npu_stub_routes_modelled_ops_to_the_double(npu_ops, torch_npu):
     out = torch_npu.npu_rotary_mul(x, cos, sin)
     torch.testing.assert_close(out, x)
     assert [name for name, _ in npu_ops.calls] == ["npu_rotary_mul"]
-    # Ops the double does not model, and anything else, are MagicMocks.
-    assert isinstance(torch_npu.npu_some_unmodelled_op, MagicMock)
+    # Ops the double does not model can be looked at (imports) but not called.
+    unmodelled = torch_npu.npu_some_unmodelled_op
+    assert repr(unmodelled.attribute) == "<unmodelled torch_npu.npu_some_unmodelled_op.attribute>"
+    with pytest.raises(NotImplementedError, match="npu_some_unmodelled_op.. is not modelled"):
+        unmodelled(x)
     assert torch.npu is torch_npu.npu and not torch.npu.is_available()
