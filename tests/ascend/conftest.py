@@ -7,7 +7,8 @@ vllm-ascend's own CPU unit tests do (``tests/ut/conftest.py`` of its sdist):
 * ``torch_npu``: a module whose ops that ``tests.ops.npu_double.NpuOpsDouble`` models are routed,
   at call time, to the one shared double (fixture ``npu_ops``, a fresh one per test); any other
   name is ``Unmodelled``: lenient to look at (vllm-ascend's modules touch many torch_npu names
-  at import), raising when called or tested for truth, so an unmodelled device call fails. Its submodules (``torch_npu._C._distributed_c10d``,
+  at import), raising when called or tested for truth, so an unmodelled device call fails.
+  Its submodules (``torch_npu._C._distributed_c10d``,
   ``torch_npu.profiler``, ``torch_npu.op_plugin.atb._atb_ops``, ...) are made on import.
 * ``torch.npu`` (the same object as ``torch_npu.npu``, as with the real torch_npu): a device API
   with no device (``is_available()`` is False, ``current_device()`` is ``"cpu"`` so that
