@@ -131,3 +131,43 @@ def test_head_major_kv_layout_is_refused_before_allocation(monkeypatch, layout):
         kv_pair_view((buffer[:, 0], buffer[:, 1]))
     monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT")
     assert MepicAscendAttentionBackend.get_kv_cache_shape(4, 128, 2, 64) == (2, 4, 128, 2, 64)
+
+
+def _statements(function) -> list[str]:
+    """A function body's statements as source lines, comments and blank lines dropped."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0].body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # docstring
+    return [ast.unparse(node) for node in body]
+
+
+def test_mepic_init_device_follows_vllm_ascends():
+    """MEPIC restates ``NPUWorker.init_device`` (vllm-ascend builds its runner inline): both
+    bodies, statement for statement, with only the runner class and the V2 refusal differing.
+    A vllm-ascend release that changes its method fails here until MEPIC's follows."""
+    from vllm_ascend.worker.worker import NPUWorker
+
+    from ascend_mepic.worker.npu_worker import MepicNPUWorker
+
+    upstream = "\n".join(_statements(NPUWorker.init_device))
+    ours = "\n".join(_statements(MepicNPUWorker.init_device))
+    v1_branch = "self.model_runner = NPUModelRunner(self.vllm_config, self.device)"
+    assert v1_branch in upstream
+    expected = upstream.replace("num_ubatches = 1\n", "").replace(
+        "init_workspace_manager(self.device, num_ubatches)",
+        "init_workspace_manager(self.device, 1)",
+    )
+    # upstream: if use_v2: <V2 runner> else: <V1 runner>; ours: refuse V2 first, then V1.
+    start = expected.index("if self.use_v2_model_runner:")
+    end = expected.index(v1_branch) + len(v1_branch)
+    expected = (
+        expected[:start]
+        + v1_branch.replace("NPUModelRunner", "MepicNPUModelRunner")
+        + expected[end:]
+    )
+    ours_without_refusal = ours[ours.index("self.device = self._init_device()") :]
+    assert ours_without_refusal == expected
