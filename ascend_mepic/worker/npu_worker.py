@@ -57,14 +57,20 @@ def check_eager(vllm_config) -> None:
         )
 
 
+def prepare_worker_process(vllm_config) -> None:
+    """What MEPIC sets up in an NPU worker process before its runner is built: the model and
+    eager checks, NoPE rotary ops over vllm-ascend's, and MEPIC's attention backend."""
+    check_model_supported(vllm_config.model_config)
+    check_eager(vllm_config)
+    install_nope_rope(replace_registered=True)
+    use_attention_backend()
+
+
 class MepicNPUWorker(NPUWorker):
     def __init__(self, *args, **kwargs) -> None:
         check_vllm_version()
         super().__init__(*args, **kwargs)
-        check_model_supported(self.vllm_config.model_config)
-        check_eager(self.vllm_config)
-        install_nope_rope(replace_registered=True)
-        use_attention_backend()
+        prepare_worker_process(self.vllm_config)
 
     def init_device(self) -> None:
         """``NPUWorker.init_device`` with MEPIC's runner: vllm-ascend builds its runner inline,

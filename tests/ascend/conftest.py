@@ -275,6 +275,9 @@ def _install_stubs() -> None:
 
     vllm.utils.torch_utils.PIN_MEMORY = False
     vllm.v1.utils.PIN_MEMORY = False
+    # ... and the default argument that captured it at import (the runner's staging buffers).
+    init = vllm.v1.utils.CpuGpuBuffer.__init__
+    init.__kwdefaults__ = {**(init.__kwdefaults__ or {}), "pin_memory": False}
 
 
 if SKIP_REASON is None:
@@ -321,3 +324,11 @@ def vllm_config() -> Iterator[Any]:
 def torch_npu() -> types.ModuleType:
     """The stub ``torch_npu`` module (``monkeypatch.setattr`` on it to replace an op)."""
     return sys.modules["torch_npu"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random Llama made locally (real config, tokenizer and weights)."""
+    from ascend_mepic.eval.prepare import prepare_tiny_llama
+
+    return str(prepare_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama"))

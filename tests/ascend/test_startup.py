@@ -15,13 +15,6 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    from ascend_mepic.eval.prepare import prepare_tiny_llama
-
-    return str(prepare_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama"))
-
-
 def _engine_config(model: str, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
