@@ -59,7 +59,7 @@ lint: setup
 test: setup lint
 	@$(PY) -m ascend_mepic.ops.cpu_kernel >/dev/null || echo "WARNING: the native CPU kernel did not build"
 	@scripts/test_ascend.sh --prepare > .venv-ascend-prepare.log 2>&1 & prep=$$!; \
-	$(VENV)/bin/pytest -q tests; main=$$?; \
+	$(VENV)/bin/pytest -q --durations=10 tests; main=$$?; \
 	if ! wait $$prep; then cat .venv-ascend-prepare.log; exit 1; fi; \
 	cat .venv-ascend-prepare.log; scripts/test_ascend.sh; ascend=$$?; \
 	exit $$(( main != 0 ? main : ascend ))
