@@ -98,6 +98,11 @@ class Policy:
             return n - block_size * (-(-n // block_size) - 1)
         raise AssertionError(f"{self.name} does not use the packed layout")
 
+    def in_context_tokens(self, num_tokens: int, block_size: int) -> int:
+        """How many of a chunk's tokens a request computes in its own context; the rest are
+        shared. Every token for policies that do not share."""
+        return self.private_tokens(num_tokens, block_size) if self.packed else num_tokens
+
     @property
     def dummy_tokens(self) -> int:
         return LEGOLINK_DUMMY_TOKENS if self.kind == "legolink" else 0
@@ -211,9 +216,7 @@ def arrival_layout(segments: Sequence[Segment], policy: Policy, block_size: int)
     the others keep every chunk token private. Depends on lengths only, never on the cache.
     """
     counts = [
-        min(policy.private_tokens(len(s.token_ids), block_size), len(s.token_ids))
-        if policy.packed
-        else len(s.token_ids)
+        policy.in_context_tokens(len(s.token_ids), block_size)
         for s in segments
         if s.kind is SegmentKind.CHUNK
     ]

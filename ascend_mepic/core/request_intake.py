@@ -28,9 +28,7 @@ from ascend_mepic.core.segments import (
     EXTRA_ARGS_KEY,
     PIN_KEY,
     Layout,
-    Segment,
     SegmentKind,
-    build_packed_layout,
     layout_from_real,
     segments_from_real,
 )
@@ -240,7 +238,7 @@ class RequestIntake:
                 n = len(seg.token_ids)
                 # Shared placement: a chunk is cached if tokens are left after its private ones.
                 cached = (
-                    policy.private_tokens(n, bs) < n
+                    policy.in_context_tokens(n, bs) < n
                     if packed
                     else policy.placement is not Placement.NONE
                 )
@@ -270,21 +268,6 @@ class RequestIntake:
                 f"compile scratch) but the pool has only {usable} usable blocks"
             )
         return layout, chunk_ids
-
-    def layout_for(self, segments: list[Segment], chunk_ids: dict[int, ChunkId | None]) -> Layout:
-        """The packed layout. Shared placement: each chunk's private token count (before
-        admission, at the worst start slots). Private placement: every chunk token is private
-        (a request's private copy, packed with its prompt tokens, no padding)."""
-        policy, bs = self.settings.policy, self.block_size
-        packed = policy.packed
-        private = [
-            policy.private_tokens(len(seg.token_ids), bs)
-            if packed and chunk_ids[i] is not None
-            else len(seg.token_ids)  # private placement: every chunk token in private blocks
-            for i, seg in enumerate(segments)
-            if seg.kind is SegmentKind.CHUNK
-        ]
-        return build_packed_layout(segments, self.block_size, private)
 
     def build(
         self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]

@@ -57,7 +57,8 @@ class PluginKeysHidden(dict):
     """``additional_config`` with MEPIC's entry kept out of iteration. Why: see the module
     docstring. Lookups by name (``d["mepic"]``, ``"mepic" in d``, ``d.get``) see it; iteration,
     ``keys()``, ``items()``, ``values()``, ``dict(d)`` and ``{**d}`` do not; pickling and copies
-    keep it (the engine core and the workers get the config pickled)."""
+    keep it (the engine core and the workers get the config pickled). ``len`` still counts it,
+    so a config that holds only MEPIC's entry stays truthy (``additional_config or {}``)."""
 
     HIDDEN = frozenset({MEPIC_KEY})
 
@@ -203,7 +204,8 @@ HEAD_MAJOR_LAYOUTS = ("HND", "LBHNC")
 def refuse_head_major_layout() -> None:
     """vllm-ascend allocates ``[2, nb, Hkv, B, D]`` under ``VLLM_KV_CACHE_LAYOUT=HND`` (or
     ``LBHNC``): the same strides as the default ``[2, nb, B, Hkv, D]``, so the shape alone cannot
-    tell them apart and MEPIC's ops would read heads as slots. Refused by name instead."""
+    tell them apart and MEPIC's ops would read heads as slots. Refused by name instead, when
+    MEPIC's backend is asked for the KV shape (before anything is allocated)."""
     import vllm.envs as envs
 
     layout = envs.VLLM_KV_CACHE_LAYOUT
@@ -220,8 +222,9 @@ def kv_pair_view(kv_cache: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tenso
     Why: vllm-ascend 0.30.0rc2 (``NPUModelRunner._reshape_kv_cache_tensors``, strided layout)
     allocates one buffer per layer and hands out ``(kv[0], kv[1])`` views with block stride
     ``2 * B * Hkv * D`` and V one block-half after K. A 5-D tensor is taken as already viewed.
+    Head-major layouts are refused before allocation (``refuse_head_major_layout``), not here:
+    this runs for every layer of every step.
     """
-    refuse_head_major_layout()
     if isinstance(kv_cache, torch.Tensor):
         if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
             raise UnsupportedAscendLayout(f"expected [2, nb, B, H, D], got {tuple(kv_cache.shape)}")

@@ -374,9 +374,7 @@ class MepicService:
         n = len(chunk.token_ids)
         # What each request recomputes in its own context and what is stored once (canonical
         # tokens, packed back to back with other chunks' so they may touch one block more).
-        private = (
-            min(self.policy.private_tokens(n, self.block_size), n) if self.policy.packed else n
-        )
+        private = self.policy.in_context_tokens(n, self.block_size)
         shared = n - private
         return {
             "id": chunk.id,
