@@ -1,4 +1,5 @@
-"""``ascend-mepic``: prepare models, make traces, plan KV capacity with kvsim, and serve."""
+"""``ascend-mepic``: prepare models, make traces, plan KV capacity with kvsim, serve, and check
+a machine (doctor)."""
 
 from __future__ import annotations
 
@@ -145,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
+    from ascend_mepic.entrypoints.doctor import add_parser as add_doctor_parser
+
+    add_doctor_parser(sub)
+
     # Listed for --help only: main() hands everything after "serve" to vLLM's own parser.
     sub.add_parser(
         "serve",
@@ -168,7 +173,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ascend-mepic serve: error: {e}", file=sys.stderr)
             return 2
     route_logs_to_stderr()
-    args = build_parser().parse_args(argv)  # --help is data: printed before the switch below
+    if argv[:1] == ["doctor"]:
+        # Its own parser: the full one imports the benchmarks and through them vLLM's model stack,
+        # which is slow and, on a machine being brought up, may be what is broken.
+        from ascend_mepic.entrypoints.doctor import doctor_parser
+
+        args = doctor_parser().parse_args(argv[1:])
+    else:
+        args = build_parser().parse_args(argv)  # --help is data: printed before the switch below
     if entry:
         isolate_stdout()
     try:
