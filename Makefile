@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.ascend-mepic-setup
 DEMO_DIR ?= results/demo
 
-.PHONY: setup lock test test-ascend lint demo bench clean
+.PHONY: setup lock test test-ascend test-npu lint demo bench clean
 
 setup: $(STAMP)
 
@@ -71,6 +71,18 @@ test: setup lint
 # share .venv.
 test-ascend:
 	scripts/test_ascend.sh
+
+# On a 910B (UNTESTED ON HARDWARE): `ascend-mepic doctor`, then tests/npu (kernel numerics against
+# the oracle, a tiny model through MEPIC against stock vllm-ascend), in the Python of the Ascend
+# environment (docs/ascend.md): the active virtualenv or conda env, else .venv, else python3;
+# NPU_PY=/path/to/python picks another. Without an NPU every test there skips, with the reason.
+# Both always run (the doctor's report helps read a test failure); the exit status is the first
+# failure's. No `setup`: .venv is the CPU environment.
+NPU_PY ?= $(or $(VIRTUAL_ENV:%=%/bin/python),$(CONDA_PREFIX:%=%/bin/python),$(wildcard $(PY)),python3)
+test-npu:
+	@$(NPU_PY) -m ascend_mepic.entrypoints.cli doctor; doctor=$$?; \
+	$(NPU_PY) -m pytest -q -rs -m npu tests/npu; tests=$$?; \
+	exit $$(( doctor != 0 ? doctor : tests ))
 
 # The paper's Table 2 comparison in a quick size on CPU: a SQuAD trace, the KV planner over it, then
 # full / EPIC-16 / CacheBlend-15 / MEPIC in the real engine. Ends with a short summary, a plot
