@@ -50,7 +50,7 @@ class MepicOracle:
         self.theta = float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     @torch.no_grad()
     def _run(self, tokens, positions, past):

@@ -277,19 +277,21 @@ def _tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _build_tiny_llama(out: Path) -> None:
+def _build_tiny_llama(out: Path, head_dim: int = 32) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tokenizer = _tiny_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        # head_dim = 128 / 4 = 32: vLLM's CPU attention supports no head size below 32.
+        # head_dim 32 by default (hidden 128 / 4 heads): vLLM's CPU attention supports no head
+        # size below 32; 128 is the head size of the 7B models (and of FIA's paged mode on A2).
         hidden_size=128,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=head_dim,
         max_position_embeddings=2048,
         rope_theta=10000.0,
         initializer_range=0.02,
@@ -308,14 +310,20 @@ def _build_tiny_llama(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def prepare_tiny_llama(dest: Path | None = None, force: bool = False) -> Path:
+def prepare_tiny_llama(
+    dest: Path | None = None, force: bool = False, head_dim: int = 32
+) -> Path:
     """Make a tiny deterministic random Llama with its own tokenizer and return its path.
 
-    Defaults to ``cache_dir()/models/tiny-llama``; takes a few seconds.
+    Defaults to ``cache_dir()/models/tiny-llama``; takes a few seconds. ``head_dim`` other than
+    32 (e.g. 128, the 7B models' head size) needs its own ``dest``.
     """
     if dest is None:
+        if head_dim != 32:
+            raise ValueError("a tiny Llama with another head size needs its own dest folder")
         dest = cache_dir() / "models" / TINY_LLAMA_DIRNAME
-    return _build_atomically(dest, "tiny-llama", force, _build_tiny_llama)
+    kind = "tiny-llama" if head_dim == 32 else f"tiny-llama-head{head_dim}"
+    return _build_atomically(dest, kind, force, lambda out: _build_tiny_llama(out, head_dim))
 
 
 def resolve_model(name_or_path: str) -> Path:

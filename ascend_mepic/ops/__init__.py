@@ -9,13 +9,13 @@ implementations:
 * ``triton``: ``cuda_fallback/rope_paged_attention.py`` (CUDA; also runs under
   ``TRITON_INTERPRET=1``).
 * ``triton-ascend``: ``cuda_fallback/rope_paged_attention_ascend.py``, written for triton-ascend
-  (persistent grid, page-at-a-time tiles): the NPU default, **untested on a 910B** (checked under
-  triton-ascend's interpreter).
-* ``npu``: the torch_npu composition, the NPU fallback, **untested on a 910B** (checked against a
-  double of the documented ops).
+  (persistent grid, page-at-a-time tiles): the NPU path for shapes FIA does not take (head sizes
+  other than 128, float32), **untested on a 910B** (checked under triton-ascend's interpreter).
+* ``npu``: the torch_npu composition, the NPU default at head size 128 in float16/bfloat16
+  (``npu_default``), **untested on a 910B** (checked against a double of the documented ops).
 
-``rope_paged_attention`` picks one from the device of the query and what is importable; the
-environment variable ``ASCEND_MEPIC_ATTN_IMPL=reference|cpu|triton|triton-ascend|npu`` forces one.
+``rope_paged_attention`` picks one from the query's device, head size and dtype and what is
+importable; ``ASCEND_MEPIC_ATTN_IMPL=reference|cpu|triton|triton-ascend|npu`` forces one.
 """
 
 from __future__ import annotations
@@ -74,15 +74,50 @@ def _npu() -> AttentionFn:
     return rope_paged_attention_npu
 
 
-def select_impl(device: torch.device) -> str:
-    """The implementation for ``device``, unless ``ASCEND_MEPIC_ATTN_IMPL`` forces one."""
+class NoNpuAttentionError(RuntimeError):
+    """No NPU attention implementation can serve this model's attention shape here."""
+
+
+def npu_default(head_size: int | None = None, dtype: torch.dtype | None = None) -> str:
+    """The NPU implementation most likely to work on a first 910B, for a head size and dtype.
+
+    The torch_npu composition calls CANN's own ops (FIA, rotary, scatter), which ship tested with
+    the toolkit; the triton-ascend kernel has never been compiled. So the composition runs where
+    FIA's TND paged mode takes the shape natively (head size 128, float16/bfloat16); the
+    triton-ascend kernel runs the rest (other head sizes, float32). Without triton-ascend, a
+    float32 model at head 128 falls back to the composition, which attends in bfloat16; other
+    shapes have no NPU path and raise ``NoNpuAttentionError``. Unknown shape (``None``): the
+    kernel if triton-ascend is installed, else the composition.
+    """
+    from ascend_mepic.ops.npu import FIA_DTYPES, FIA_TND_HEAD_DIMS
+
+    fia_shape = head_size is None or head_size in FIA_TND_HEAD_DIMS
+    if fia_shape and head_size is not None and dtype in FIA_DTYPES:
+        return "npu"
+    if have_triton_ascend():
+        return "triton-ascend"
+    if fia_shape:
+        return "npu"
+    raise NoNpuAttentionError(
+        f"no MEPIC attention path on the NPU for head size {head_size} ({dtype}): the torch_npu "
+        f"composition needs head size {FIA_TND_HEAD_DIMS} (FIA's TND paged mode on A2) and the "
+        "triton-ascend kernel needs triton-ascend, which is not installed (pip install "
+        "triton-ascend==3.2.2; see docs/ascend.md)"
+    )
+
+
+def select_impl(
+    device: torch.device, head_size: int | None = None, dtype: torch.dtype | None = None
+) -> str:
+    """The implementation for ``device`` (and, on an NPU, the head size and dtype), unless
+    ``ASCEND_MEPIC_ATTN_IMPL`` forces one."""
     forced = os.environ.get(IMPL_ENV)
     if forced:
         if forced not in IMPLS:
             raise ValueError(f"{IMPL_ENV}={forced!r}; choose one of {IMPLS}")
         return forced
     if device.type == "npu":
-        return "triton-ascend" if have_triton_ascend() else "npu"
+        return npu_default(head_size, dtype)
     if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "triton"
     if device.type == "cpu":
@@ -150,7 +185,7 @@ def rope_paged_attention(
     key = ("impl", query.device.type, query.dtype, kv_cache.dtype, os.environ.get(IMPL_ENV))
     fn = meta.memo.get(key)
     if fn is None:
-        impl = select_impl(query.device)
+        impl = select_impl(query.device, query.shape[2], query.dtype)
         if impl == "cpu" and not os.environ.get(IMPL_ENV):
             from ascend_mepic.ops import cpu_kernel
 
@@ -162,6 +197,7 @@ def rope_paged_attention(
 
 __all__ = [
     "IMPL_ENV",
+    "NoNpuAttentionError",
     "PagedRopeMetadata",
     "RopeSpec",
     "SequenceSpec",
@@ -170,6 +206,7 @@ __all__ = [
     "build_metadata",
     "get_attention_fn",
     "have_triton_ascend",
+    "npu_default",
     "rope_paged_attention",
     "select_impl",
     "write_kv",

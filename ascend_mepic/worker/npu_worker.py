@@ -21,6 +21,8 @@ capture, so the worker refuses to start without ``enforce_eager``.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from vllm.v1.utils import report_usage_stats
 from vllm.v1.worker.workspace import init_workspace_manager
@@ -28,10 +30,13 @@ from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
 from vllm_ascend.worker.worker import NPUWorker
 
 from ascend_mepic.core.models import check_model_supported
+from ascend_mepic.ops import select_impl
 from ascend_mepic.vllm_integration.ascend import block_major_buffer, use_attention_backend
 from ascend_mepic.vllm_integration.version import check_vllm_version
 from ascend_mepic.worker.model_runner import MepicRunnerMixin
 from ascend_mepic.worker.rope import install_nope_rope
+
+logger = logging.getLogger(__name__)
 
 
 class MepicNPUModelRunner(MepicRunnerMixin, NPUModelRunner):
@@ -57,11 +62,24 @@ def check_eager(vllm_config) -> None:
         )
 
 
+def npu_attention_impl(model_config) -> str:
+    """The attention implementation this model gets on the NPU (``ops.select_impl``), chosen at
+    start-up so that a shape no NPU path takes fails before the model loads."""
+    head_size = model_config.get_head_size()
+    impl = select_impl(torch.device("npu"), head_size, model_config.dtype)
+    logger.info(
+        "MEPIC attention on the NPU (untested on hardware): %s for head size %d, %s",
+        impl, head_size, model_config.dtype,
+    )  # fmt: skip
+    return impl
+
+
 def prepare_worker_process(vllm_config) -> None:
-    """What MEPIC sets up in an NPU worker process before its runner is built: the model and
-    eager checks, NoPE rotary ops over vllm-ascend's, and MEPIC's attention backend."""
+    """What MEPIC sets up in an NPU worker process before its runner is built: the model, eager
+    and attention-path checks, NoPE rotary ops over vllm-ascend's, and MEPIC's backend."""
     check_model_supported(vllm_config.model_config)
     check_eager(vllm_config)
+    npu_attention_impl(vllm_config.model_config)
     install_nope_rope(replace_registered=True)
     use_attention_backend()
 

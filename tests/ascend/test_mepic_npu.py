@@ -179,14 +179,35 @@ def test_vllm_serve_with_a_mepic_config_selects_mepic(monkeypatch, vllm_config):
         NPUPlatform.check_and_update_config(vllm_config)
 
 
-def test_the_npu_default_is_the_triton_ascend_kernel(monkeypatch):
-    from ascend_mepic.ops import have_triton_ascend, select_impl
+@pytest.mark.parametrize(
+    ("head_size", "dtype", "with_kernel", "expected"),
+    [
+        (128, torch.bfloat16, True, "npu"),  # FIA's native shape: CANN's own ops
+        (128, torch.float16, True, "npu"),
+        (128, torch.float32, True, "triton-ascend"),  # FIA takes no float32
+        (64, torch.bfloat16, True, "triton-ascend"),  # FIA's TND paged mode: head 128 only
+        (None, None, True, "triton-ascend"),
+        (128, torch.float32, False, "npu"),  # attends in bfloat16
+        (None, None, False, "npu"),
+    ],
+)
+def test_the_npu_default_depends_on_head_size_and_dtype(
+    monkeypatch, head_size, dtype, with_kernel, expected
+):
+    from ascend_mepic.ops import select_impl
 
     monkeypatch.delenv("ASCEND_MEPIC_ATTN_IMPL", raising=False)
-    assert have_triton_ascend()
-    assert select_impl(torch.device("npu", 0)) == "triton-ascend"
+    monkeypatch.setattr("ascend_mepic.ops.have_triton_ascend", lambda: with_kernel)
+    assert select_impl(torch.device("npu", 0), head_size, dtype) == expected
+
+
+def test_a_shape_no_npu_path_takes_is_refused_naming_both_paths(monkeypatch):
+    from ascend_mepic.ops import NoNpuAttentionError, select_impl
+
+    monkeypatch.delenv("ASCEND_MEPIC_ATTN_IMPL", raising=False)
     monkeypatch.setattr("ascend_mepic.ops.have_triton_ascend", lambda: False)
-    assert select_impl(torch.device("npu", 0)) == "npu"
+    with pytest.raises(NoNpuAttentionError, match="head size 64.*triton-ascend"):
+        select_impl(torch.device("npu", 0), 64, torch.bfloat16)
 
 
 def test_platform_selects_mepic_backend_once_installed(monkeypatch, vllm_config):
