@@ -2,10 +2,10 @@
 
 UNTESTED ON HARDWARE: this kernel has never been compiled for or run on an Ascend NPU (no NPU and
 no CANN toolkit on the machines it was built on). It is checked only under triton-ascend 3.2.0's
-CPU interpreter and upstream Triton's (``tests/ops/test_triton_ascend.py``,
-``tests/ops/test_triton.py``), against the dense oracle and the torch reference. The interpreter
-does not catch UB overflow, lowering failures or silent scalarisation; the choices below follow
-triton-ascend's documented constraints so that those are unlikely, not proven absent.
+CPU interpreter and upstream Triton's (``tests/ops/test_ascend_kernel.py``), against the dense
+oracle and the torch reference, with fp32 dots and with the fp16/bf16 dots the NPU would run. The
+interpreter does not catch UB overflow, lowering failures or silent scalarisation; the choices
+below follow triton-ascend's documented constraints so that those are unlikely, not proven absent.
 
 Same contract as ``cuda_fallback.rope_paged_attention`` (``ascend_mepic.ops.metadata``): K and V
 un-rotated in ``[2, num_blocks, B, Hkv, D]`` (vllm-ascend's ``(2, num_blocks, 128, kv_heads,
@@ -17,32 +17,52 @@ the GPU kernel, and why (triton-ascend's migration and performance guides):
   ``w = pid, pid + cores, ...``. The number of work items is read from a device tensor, so the
   launch shape depends only on the core count and the batch's sequence count (graph-capture
   friendly: no per-step scalar frozen into the grid).
-* **One page per iteration.** Gathers (offsets loaded from memory) lower to scalar loops on
-  Ascend. The kernel therefore walks a sequence's block table one entry at a time: the block id,
-  first position and valid range are *scalars*, and the K/V tile of that entry is an affine
-  ``[BLOCK_N, D]`` load (``block * stride + slot * stride + column``), as are its cos/sin rows
-  (positions ``first - valid_start + slot``). Entries with an empty valid range or entirely after
-  the tile's last query are skipped with a scalar branch, so a packed table's short runs cost
-  nothing.
-* **GQA rows.** A work item is (query tile, KV head); its rows are ``BLOCK_Q`` queries times the
-  ``GROUP`` query heads that share the KV head, so each K/V page is read once per KV head and
-  ``tl.dot`` gets ``BLOCK_Q * GROUP_P`` rows (the cube unit wants >= 16).
+* **One page per iteration, no data-dependent branch.** Gathers (offsets loaded from memory) lower
+  to scalar loops on Ascend. The kernel walks a sequence's block table one entry at a time: block
+  id, first position and valid range are *scalars*, and each K/V sub-tile is an affine
+  ``[BLOCK_N, D]`` load (``block * stride + slot * stride + column``), as are its cos/sin rows.
+  Which entries and sub-tiles are visited is decided by loop bounds computed before each loop
+  (entries up to the tile's last query; sub-tiles covering ``[valid_start, valid_end)``), so an
+  empty entry is an empty loop, not a branch that would compile to masked work anyway.
+* **Q through block pointers.** A tile's rows are ``BLOCK_Q`` consecutive queries times the
+  ``GROUP`` query heads of one KV head: a strided ``[BLOCK_Q, GROUP, HALF]`` box, loaded with
+  ``tl.make_block_ptr`` (boundary checks instead of masks; the box's shape ends at the item's last
+  row and the KV head's last query head) and reshaped to ``[BLOCK_Q * GROUP_P, HALF]`` rows for
+  ``tl.dot``; the output is stored the same way. Only the queries' cos/sin rows are a gather (one
+  position per query, once per tile, outside the page loop).
+* **K rotated once per page and KV head.** A prefill work item is (sequence, KV head, run of
+  consecutive query tiles). Its first tile to reach an entry rotates that entry's K and writes the
+  rotated rows, in the dot dtype, to the program's own scratch (``[cores, max_keys, D]`` in HBM);
+  later tiles of the item read them back instead of reloading raw K and cos/sin. Runs are as long
+  as the core count allows (``prefill_items``: one run per (sequence, KV head) when there are
+  enough of those to fill the cores), so a page is rotated ``runs`` times, not once per query
+  tile. Decode work items (sequence, KV head, split) see each page once. A program reads back
+  only what it wrote itself; whether triton-ascend orders that HBM store before the later load
+  without an explicit barrier is not verified on hardware.
+* **GQA rows.** Rows are the ``GROUP`` query heads sharing the KV head (padded to ``GROUP_P``),
+  so K/V are read once per KV head and ``tl.dot`` gets ``BLOCK_Q * GROUP_P >= 16`` rows.
 * **Masks in fp32.** Integer vector compares drop to scalar code on A2; the valid-range and causal
   masks compare float32 copies of slot and padded indices (exact below 2**24).
-* **UB budget.** A2's unified buffer is 192 KB (about 96 KB usable with double buffering).
-  Defaults: ``BLOCK_N = 64`` keys per sub-tile of a 128-slot block and 32 rows, i.e. bf16 K halves
-  2 x 4 KB, V 16 KB, fp32 scores 8 KB, accumulator 16 KB (head 128); estimated, not measured.
+* **UB budget.** A2's unified buffer is 192 KB; with double buffering about 96 KB
+  (``UB_BUDGET``) is usable. ``ub_tiles`` lists every tile live in one page iteration (Q halves,
+  accumulator, raw/fp32/rotated K halves, cos/sin, rotation products, V, scores, mask, P) and
+  ``choose_tiles`` picks the largest ``BLOCK_N`` and rows that fit: head 128 gets 16-key sub-tiles
+  and 32 rows, head 64 32 keys and 32 rows (decode: 16 rows). It is an estimate that counts every
+  tile as simultaneously live, not a measurement; the compiler may need more (broadcast copies,
+  scratch) or reuse dead buffers.
 * **Split-KV decode.** One query per sequence leaves cores idle when the batch is small, so the
   block table is split into ``num_splits`` ranges (from the core count), each writing a partial
   output and its log2-sum-exp; a combine kernel merges them.
 
 Scores are ``q.k = q1.k1 + q2.k2`` on the rotated halves (neox: the two halves; GPT-J: even and odd
 columns), online softmax in fp32 with exp2; dots take fp32 or the input's half dtype with fp32
-accumulation (always fp32 under the interpreter, whose half-precision ``tl.dot`` is wrong).
+accumulation. Under an interpreter bf16 dots fall back to fp32 unless ``half_dots=True`` (Triton's
+interpreter multiplies bf16's raw bits; the tests patch it to upcast), fp16 dots run as on the NPU.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import math
 
@@ -52,7 +72,7 @@ import triton.language as tl
 
 from ascend_mepic.ops.metadata import PagedRopeMetadata
 from ascend_mepic.ops.rope import RopeSpec
-from cuda_fallback.rope_paged_attention import INTERPRETED, prefill_tiles
+from cuda_fallback.rope_paged_attention import INTERPRETED
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +82,121 @@ LOG2E = math.log2(math.e)
 INTERPRETER_CORES = 3
 # 910B3's AI-core count (triton-ascend's tutorials assume 20); used when the driver cannot say.
 DEFAULT_NPU_CORES = 20
+
+
+def _has_block_pointers() -> bool:
+    """Q/output boxes use ``tl.make_block_ptr`` under triton-ascend (vllm-ascend's idiom); upstream
+    Triton removed block pointers, so there (its interpreter) the same box is pointer arithmetic."""
+    try:
+        importlib.metadata.distribution("triton-ascend")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+BLOCK_POINTERS = _has_block_pointers()
+# A2 (910B) unified buffer per AI core, and the share a double-buffered kernel may fill.
+UB_BYTES = 192 * 1024
+UB_BUDGET = UB_BYTES // 2
+# Candidate tile sizes, preferred first (rows: BLOCK_Q * GROUP_P; keys per sub-tile).
+ROW_CHOICES = (32, 16)
+BLOCK_N_CHOICES = (64, 32, 16)
+
+
+def _pow2_at_least(n: int, floor: int = 1) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def ub_tiles(
+    rows: int,
+    block_n: int,
+    head: int,
+    q_bytes: int,
+    kv_bytes: int,
+    cos_sin_bytes: int = 4,
+    dot_fp32: bool = False,
+) -> dict[str, int]:
+    """Bytes of every tile one page iteration holds in UB, by name (an estimate, not measured).
+
+    Counts each tile as live at once, including the fp32 copies that conversions and the rotation
+    make, so it over- rather than under-states (vllm-ascend's RoPE kernel learnt on hardware that
+    the compiler materialises such temporaries). The prologue (Q rotation) is smaller and is not
+    listed. ``rows`` = ``BLOCK_Q * GROUP_P``; sizes use the padded ``HALF_P``/``D_P``.
+    """
+    half_p = _pow2_at_least(head // 2, 16)
+    d_p = _pow2_at_least(head, 16)
+    dot = 4 if dot_fp32 else q_bytes
+    k_half = block_n * half_p  # elements of one K half sub-tile
+
+    def conv(src: int, dst: int, elems: int) -> int:  # a converted copy, when the dtype changes
+        return 0 if src == dst else elems * dst
+
+    return {
+        "Q halves (dot dtype)": 2 * rows * half_p * dot,
+        "accumulator fp32": rows * d_p * 4,
+        "row state m, l, alpha, query index fp32": 4 * rows * 4,
+        "K halves raw": 2 * k_half * kv_bytes,
+        "K halves fp32": conv(kv_bytes, 4, 2 * k_half),
+        "cos/sin raw": 2 * k_half * cos_sin_bytes,
+        "cos/sin fp32": conv(cos_sin_bytes, 4, 2 * k_half),
+        "rotation products fp32": 2 * k_half * 4,
+        "K halves rotated fp32": 2 * k_half * 4,
+        "K halves rotated (dot dtype)": conv(4, dot, 2 * k_half),
+        "V": block_n * d_p * kv_bytes,
+        "V (dot dtype)": conv(kv_bytes, dot, block_n * d_p),
+        "scores fp32": rows * block_n * 4,
+        "causal/valid mask": rows * block_n,
+        "P fp32": rows * block_n * 4,
+        "P (dot dtype)": conv(4, dot, rows * block_n),
+        "slot index vectors": 4 * block_n * 4,
+    }
+
+
+def ub_bytes(*args, **kwargs) -> int:
+    """Estimated UB bytes of one page iteration (the sum of ``ub_tiles``)."""
+    return sum(ub_tiles(*args, **kwargs).values())
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def dots_in_fp32(q_dtype: torch.dtype, kv_dtype: torch.dtype, half_dots: bool | None) -> bool:
+    """fp32 dots when an input is fp32, or (unless forced) bf16 under an interpreter."""
+    if torch.float32 in (q_dtype, kv_dtype):
+        return True
+    if half_dots is None:
+        return INTERPRETED and torch.bfloat16 in (q_dtype, kv_dtype)
+    return not half_dots
+
+
+def choose_tiles(
+    head: int,
+    group: int,
+    block_size: int,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    cos_sin_dtype: torch.dtype = torch.float32,
+    decode: bool = False,
+    dot_fp32: bool | None = None,
+) -> tuple[int, int]:
+    """``(block_q, block_n)`` the launcher uses: the most rows, then the widest sub-tile, whose
+    ``ub_bytes`` fits ``UB_BUDGET`` (smallest tiles if nothing does). Decode has one query:
+    ``block_q`` is 1 and its rows are the group padded to 16."""
+    group_p = _pow2_at_least(group)
+    fp32 = torch.float32 in (q_dtype, kv_dtype) if dot_fp32 is None else dot_fp32
+    sizes = (_bytes(q_dtype), _bytes(kv_dtype), _bytes(cos_sin_dtype), fp32)
+    if decode:
+        row_choices = (_pow2_at_least(group, 16),)
+    else:
+        row_choices = tuple(r for r in ROW_CHOICES if r >= group_p) or (group_p,)
+    widths = [n for n in BLOCK_N_CHOICES if n <= block_size and block_size % n == 0] or [16]
+    for rows in row_choices:
+        for block_n in widths:
+            if ub_bytes(rows, block_n, head, *sizes) <= UB_BUDGET:
+                return (1 if decode else max(1, rows // group_p)), block_n
+    rows = row_choices[-1]
+    return (1 if decode else max(1, rows // group_p)), widths[-1]
 
 
 @triton.jit
@@ -75,7 +210,7 @@ def _rotated_halves(
     HALF_P: tl.constexpr,
     IS_NEOX: tl.constexpr,
 ):
-    """Load rows' two rotation halves ``[R, HALF_P]`` and rotate them at ``pos`` (fp32)."""
+    """Load K rows' rotation halves ``[N, HALF_P]`` (affine) and rotate them at ``pos`` (fp32)."""
     c = tl.arange(0, HALF_P)
     if IS_NEOX:
         c1 = c
@@ -93,18 +228,151 @@ def _rotated_halves(
 
 
 @triton.jit
-def _attend_entries(
+def _q_box(
+    base,
+    row_end,
+    row0,
+    stride_qt,
+    stride_qh,
+    BLOCK_Q: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    COLS: tl.constexpr,
+    COLS_P: tl.constexpr,
+    COL_STRIDE: tl.constexpr,
+    BLOCK_PTR: tl.constexpr,
+):
+    """Rows ``[row0, row0 + BLOCK_Q)`` (ending at ``row_end``) x the ``GROUP`` heads from ``base``
+    x ``COLS`` columns ``COL_STRIDE`` apart, as ``(pointer, mask)``.
+
+    ``BLOCK_PTR``: a block pointer whose boundary checks zero the rest (mask None); else the same
+    strided box as pointer arithmetic on aranges with a mask (upstream Triton removed block
+    pointers; its interpreter runs this form).
+    """
+    if BLOCK_PTR:
+        ptr = tl.make_block_ptr(
+            base,
+            shape=(row_end, GROUP, COLS),
+            strides=(stride_qt, stride_qh, COL_STRIDE),
+            offsets=(row0, 0, 0),
+            block_shape=(BLOCK_Q, GROUP_P, COLS_P),
+            order=(2, 1, 0),
+        )
+        mask = None
+    else:
+        r = row0 + tl.arange(0, BLOCK_Q)
+        g = tl.arange(0, GROUP_P)
+        c = tl.arange(0, COLS_P)
+        ptr = (
+            base
+            + r.to(tl.int64)[:, None, None] * stride_qt
+            + g[None, :, None] * stride_qh
+            + c[None, None, :] * COL_STRIDE
+        )
+        mask = (r < row_end)[:, None, None] & (g < GROUP)[None, :, None] & (c < COLS)[None, None, :]
+    return ptr, mask
+
+
+@triton.jit
+def _load_box(ptr, mask, BLOCK_PTR: tl.constexpr):
+    if BLOCK_PTR:
+        x = tl.load(ptr, boundary_check=(0, 1, 2), padding_option="zero")
+    else:
+        x = tl.load(ptr, mask=mask, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _load_q_tile(
+    q_ptr,
+    head0,
+    row0,
+    row_end,
+    pos,
+    row_mask,
+    cos_sin_ptr,
+    stride_cs,
+    stride_qt,
+    stride_qh,
+    qk_scale,
+    BLOCK_Q: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_PTR: tl.constexpr,
+):
+    """Queries ``[row0, row0 + BLOCK_Q)`` x heads ``[head0, head0 + GROUP)`` as two rotated,
+    pre-scaled halves ``[BLOCK_Q * GROUP_P, HALF_P]`` in the dot dtype (block-pointer loads)."""
+    base = q_ptr + head0 * stride_qh
+    if IS_NEOX:
+        p1, m1 = _q_box(base, row_end, row0, stride_qt, stride_qh, BLOCK_Q, GROUP, GROUP_P, HALF,
+                        HALF_P, 1, BLOCK_PTR)  # fmt: skip
+        p2, m2 = _q_box(base + HALF, row_end, row0, stride_qt, stride_qh, BLOCK_Q, GROUP,
+                        GROUP_P, HALF, HALF_P, 1, BLOCK_PTR)  # fmt: skip
+    else:
+        p1, m1 = _q_box(base, row_end, row0, stride_qt, stride_qh, BLOCK_Q, GROUP, GROUP_P, HALF,
+                        HALF_P, 2, BLOCK_PTR)  # fmt: skip
+        p2, m2 = _q_box(base + 1, row_end, row0, stride_qt, stride_qh, BLOCK_Q, GROUP, GROUP_P,
+                        HALF, HALF_P, 2, BLOCK_PTR)  # fmt: skip
+    x1 = _load_box(p1, m1, BLOCK_PTR)
+    x2 = _load_box(p2, m2, BLOCK_PTR)
+    c = tl.arange(0, HALF_P)
+    cmask = row_mask[:, None] & (c < HALF)[None, :]
+    cs = cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs + c[None, :]
+    cos = tl.load(cs, mask=cmask, other=0.0).to(tl.float32)[:, None, :]
+    sin = tl.load(cs + HALF, mask=cmask, other=0.0).to(tl.float32)[:, None, :]
+    q1 = tl.reshape((x1 * cos - x2 * sin) * qk_scale, (BLOCK_Q * GROUP_P, HALF_P))
+    q2 = tl.reshape((x2 * cos + x1 * sin) * qk_scale, (BLOCK_Q * GROUP_P, HALF_P))
+    if not DOT_FP32:
+        q1 = q1.to(q_ptr.dtype.element_ty)
+        q2 = q2.to(q_ptr.dtype.element_ty)
+    return q1, q2
+
+
+@triton.jit
+def _store_out_tile(
+    out_ptr,
+    head0,
+    row0,
+    row_end,
+    acc,
+    l_i,
+    stride_ot,
+    stride_oh,
+    BLOCK_Q: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    D: tl.constexpr,
+    D_P: tl.constexpr,
+    BLOCK_PTR: tl.constexpr,
+):
+    """Normalise and store ``[BLOCK_Q * GROUP_P, D_P]`` rows through a block pointer."""
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = tl.reshape(out, (BLOCK_Q, GROUP_P, D_P)).to(out_ptr.dtype.element_ty)
+    ptr, mask = _q_box(out_ptr + head0 * stride_oh, row_end, row0, stride_ot, stride_oh, BLOCK_Q,
+                       GROUP, GROUP_P, D, D_P, 1, BLOCK_PTR)  # fmt: skip
+    if BLOCK_PTR:
+        tl.store(ptr, out, boundary_check=(0, 1, 2))
+    else:
+        tl.store(ptr, out, mask=mask)
+
+
+@triton.jit
+def _attend_entry(
     q1,
     q2,
     q_idx_f,
     m_i,
     l_i,
     acc,
-    entry_lo,
-    entry_hi,
+    j,
     meta_row,
     k_head_ptr,
     v_head_ptr,
+    scratch_ptr,
     stride_kb,
     stride_ks,
     stride_vb,
@@ -123,58 +391,66 @@ def _attend_entries(
     D_P: tl.constexpr,
     IS_NEOX: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SCRATCH: tl.constexpr,
 ):
-    """Online softmax of pre-scaled rotated queries over block-table entries [lo, hi).
+    """Online softmax of the rows over block-table entry ``j``'s valid sub-tiles.
 
-    Per entry: scalar block id, first position and valid range, then ``B / BLOCK_N`` affine
-    sub-tiles; a sub-tile with no valid slot, or wholly after every query, is skipped.
+    ``SCRATCH``: 0 rotate K; 1 rotate K and write it to the scratch rows ``j * B + slot``;
+    2 read the rotated K back from there (no raw K, no cos/sin). The sub-tile loop's bounds
+    cover ``[valid_start, valid_end)``, so an empty entry costs no iteration.
     """
     n = tl.arange(0, BLOCK_N)
-    n_f = n.to(tl.float32)
+    c = tl.arange(0, HALF_P)
     d = tl.arange(0, D_P)
-    last_q = tl.max(q_idx_f, 0)
-    for j in range(entry_lo, entry_hi):
-        blk = tl.load(block_tables_ptr + meta_row + j).to(tl.int64)
-        first = tl.load(first_pos_ptr + meta_row + j)
-        v_start = tl.load(valid_start_ptr + meta_row + j)
-        v_end = tl.load(valid_end_ptr + meta_row + j)
-        for sub in tl.static_range(0, B, BLOCK_N):
-            lo = tl.maximum(v_start, sub)
-            hi = tl.minimum(v_end, sub + BLOCK_N)
-            if (lo < hi) & ((j * B + lo).to(tl.float32) <= last_q):
-                slot_f = n_f + sub
-                real = (slot_f >= v_start.to(tl.float32)) & (slot_f < v_end.to(tl.float32))
-                slot = (n + sub).to(tl.int64)
-                k_rows = k_head_ptr + blk * stride_kb + slot * stride_ks
-                k1, k2 = _rotated_halves(
-                    k_rows, first - v_start + n + sub, real, cos_sin_ptr, stride_cs,
-                    HALF, HALF_P, IS_NEOX,
-                )  # fmt: skip
-                if DOT_FP32:
-                    s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-                    s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
-                else:
-                    s = tl.dot(q1, tl.trans(k1.to(q1.dtype)))
-                    s += tl.dot(q2, tl.trans(k2.to(q2.dtype)))
-                key_idx_f = slot_f + j * B
-                allowed = real[None, :] & (key_idx_f[None, :] <= q_idx_f[:, None])
-                s = tl.where(allowed, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                p = tl.exp2(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                # Pad slots are never loaded: an uninitialised block may hold NaN (0 * NaN = NaN).
-                v_rows = v_head_ptr + blk * stride_vb + slot * stride_vs
-                v = tl.load(
-                    v_rows[:, None] + d[None, :], mask=real[:, None] & (d < D)[None, :], other=0.0
-                )
-                acc = acc * alpha[:, None]
-                if DOT_FP32:
-                    acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
-                else:
-                    acc += tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+    blk = tl.load(block_tables_ptr + meta_row + j).to(tl.int64)
+    first = tl.load(first_pos_ptr + meta_row + j)
+    v_start = tl.load(valid_start_ptr + meta_row + j)
+    v_end = tl.load(valid_end_ptr + meta_row + j)
+    v_start_f = v_start.to(tl.float32)
+    v_end_f = v_end.to(tl.float32)
+    for sub in range(v_start // BLOCK_N, tl.cdiv(v_end, BLOCK_N)):
+        slot = sub * BLOCK_N + n
+        slot_f = slot.to(tl.float32)
+        real = (slot_f >= v_start_f) & (slot_f < v_end_f)
+        kmask = real[:, None] & (c < HALF)[None, :]
+        s_rows = scratch_ptr + (j * B + slot).to(tl.int64)[:, None] * D + c[None, :]
+        if SCRATCH == 2:
+            k1 = tl.load(s_rows, mask=kmask, other=0.0)
+            k2 = tl.load(s_rows + HALF, mask=kmask, other=0.0)
+        else:
+            k_rows = k_head_ptr + blk * stride_kb + slot.to(tl.int64) * stride_ks
+            k1, k2 = _rotated_halves(
+                k_rows, first - v_start + slot, real, cos_sin_ptr, stride_cs, HALF, HALF_P, IS_NEOX
+            )
+            if not DOT_FP32:
+                k1 = k1.to(q1.dtype)
+                k2 = k2.to(q2.dtype)
+            if SCRATCH == 1:
+                tl.store(s_rows, k1, mask=kmask)
+                tl.store(s_rows + HALF, k2, mask=kmask)
+        if DOT_FP32:
+            s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+            s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
+        else:
+            s = tl.dot(q1, tl.trans(k1))
+            s += tl.dot(q2, tl.trans(k2))
+        key_idx_f = slot_f + j * B
+        allowed = real[None, :] & (key_idx_f[None, :] <= q_idx_f[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # Pad slots are never loaded: an uninitialised block may hold NaN (0 * NaN = NaN).
+        v_rows = v_head_ptr + blk * stride_vb + slot.to(tl.int64) * stride_vs
+        v = tl.load(v_rows[:, None] + d[None, :], mask=real[:, None] & (d < D)[None, :], other=0.0)
+        acc = acc * alpha[:, None]
+        if DOT_FP32:
+            acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(q1.dtype), v.to(q1.dtype))
+        m_i = m_new
     return m_i, l_i, acc
 
 
@@ -185,9 +461,11 @@ def _prefill_kernel(
     k_ptr,
     v_ptr,
     cos_sin_ptr,
-    num_tiles_ptr,
-    tile_seq_ptr,
-    tile_row_ptr,
+    scratch_ptr,
+    num_items_ptr,
+    item_seq_ptr,
+    item_row_lo_ptr,
+    item_row_hi_ptr,
     query_start_loc_ptr,
     query_pos_ptr,
     query_idx_ptr,
@@ -208,6 +486,7 @@ def _prefill_kernel(
     stride_vh,
     stride_bt,
     stride_cs,
+    stride_scratch,
     qk_scale,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -221,50 +500,67 @@ def _prefill_kernel(
     D_P: tl.constexpr,
     IS_NEOX: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    BLOCK_PTR: tl.constexpr,
 ):
-    """Persistent: work item ``w`` = (query tile ``w // Hkv``, KV head ``w % Hkv``)."""
+    """Persistent: work item ``w`` = (run of query tiles ``w // Hkv``, KV head ``w % Hkv``).
+
+    The run's tiles go in row order; entries ``[0, done)`` were rotated by an earlier tile of the
+    run and are read from this program's scratch, entries ``[done, hi)`` are rotated and written.
+    """
     ROWS: tl.constexpr = BLOCK_Q * GROUP_P
-    r = tl.arange(0, ROWS)
-    qi = r // GROUP_P
-    g = r % GROUP_P
-    d = tl.arange(0, D_P)
-    num_work = tl.load(num_tiles_ptr) * NUM_KV_HEADS
-    for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
-        tile = w // NUM_KV_HEADS
+    pid = tl.program_id(0)
+    scratch = scratch_ptr + pid.to(tl.int64) * stride_scratch
+    qi = tl.arange(0, BLOCK_Q)
+    num_work = tl.load(num_items_ptr) * NUM_KV_HEADS
+    for w in range(pid, num_work, tl.num_programs(0)):
+        item = w // NUM_KV_HEADS
         kv_head = w % NUM_KV_HEADS
-        seq = tl.load(tile_seq_ptr + tile)
-        rows = tl.load(tile_row_ptr + tile) + qi
-        row_mask = (rows < tl.load(query_start_loc_ptr + seq + 1)) & (g < GROUP)
-        heads = kv_head * GROUP + g
-        pos = tl.load(query_pos_ptr + rows, mask=row_mask, other=0)
-        q_idx_f = tl.load(query_idx_ptr + rows, mask=row_mask, other=-1).to(tl.float32)
-        q_rows = q_ptr + rows.to(tl.int64) * stride_qt + heads * stride_qh
-        q1, q2 = _rotated_halves(
-            q_rows, pos, row_mask, cos_sin_ptr, stride_cs, HALF, HALF_P, IS_NEOX
-        )
-        q1 = q1 * qk_scale
-        q2 = q2 * qk_scale
-        if not DOT_FP32:
-            q1 = q1.to(q_ptr.dtype.element_ty)
-            q2 = q2.to(q_ptr.dtype.element_ty)
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, D_P], tl.float32)
+        head0 = kv_head * GROUP
+        seq = tl.load(item_seq_ptr + item)
+        row_lo = tl.load(item_row_lo_ptr + item)
+        row_hi = tl.load(item_row_hi_ptr + item)
+        nb = tl.load(num_blocks_ptr + seq)
         meta_row = seq.to(tl.int64) * stride_bt
-        m_i, l_i, acc = _attend_entries(
-            q1, q2, q_idx_f, m_i, l_i, acc, 0, tl.load(num_blocks_ptr + seq), meta_row,
-            k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
-            stride_kb, stride_ks, stride_vb, stride_vs,
-            block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr,
-            cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, DOT_FP32,
-        )  # fmt: skip
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_rows = out_ptr + rows.to(tl.int64) * stride_ot + heads * stride_oh
-        tl.store(
-            o_rows[:, None] + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_mask[:, None] & (d < D)[None, :],
-        )
+        k_head = k_ptr + kv_head * stride_kh
+        v_head = v_ptr + kv_head * stride_vh
+        done = nb * 0
+        for row0 in range(row_lo, row_hi, BLOCK_Q):
+            rows = row0 + qi
+            row_mask = rows < row_hi
+            pos = tl.load(query_pos_ptr + rows, mask=row_mask, other=0)
+            q_idx = tl.load(query_idx_ptr + rows, mask=row_mask, other=-1)
+            q1, q2 = _load_q_tile(
+                q_ptr, head0, row0, row_hi, pos, row_mask, cos_sin_ptr, stride_cs, stride_qt,
+                stride_qh, qk_scale, BLOCK_Q, GROUP, GROUP_P, HALF, HALF_P, IS_NEOX, DOT_FP32,
+                BLOCK_PTR,
+            )  # fmt: skip
+            q_idx_f = tl.reshape(
+                tl.broadcast_to(q_idx.to(tl.float32)[:, None], (BLOCK_Q, GROUP_P)), (ROWS,)
+            )
+            # Entries wholly after the tile's last query are never visited.
+            hi = tl.minimum(nb, tl.max(q_idx, 0) // B + 1)
+            m_i = tl.full([ROWS], float("-inf"), tl.float32)
+            l_i = tl.zeros([ROWS], tl.float32)
+            acc = tl.zeros([ROWS, D_P], tl.float32)
+            for j in range(0, tl.minimum(done, hi)):
+                m_i, l_i, acc = _attend_entry(
+                    q1, q2, q_idx_f, m_i, l_i, acc, j, meta_row, k_head, v_head, scratch,
+                    stride_kb, stride_ks, stride_vb, stride_vs,
+                    block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr,
+                    cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, DOT_FP32, 2,
+                )  # fmt: skip
+            for j in range(done, hi):
+                m_i, l_i, acc = _attend_entry(
+                    q1, q2, q_idx_f, m_i, l_i, acc, j, meta_row, k_head, v_head, scratch,
+                    stride_kb, stride_ks, stride_vb, stride_vs,
+                    block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr,
+                    cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, DOT_FP32, 1,
+                )  # fmt: skip
+            done = tl.maximum(done, hi)
+            _store_out_tile(
+                out_ptr, head0, row0, row_hi, acc, l_i, stride_ot, stride_oh,
+                BLOCK_Q, GROUP, GROUP_P, D, D_P, BLOCK_PTR,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -310,56 +606,59 @@ def _decode_kernel(
     D_P: tl.constexpr,
     IS_NEOX: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    BLOCK_PTR: tl.constexpr,
 ):
     """Persistent: work item = (sequence, KV head, split); rows = the GROUP heads of its query
-    (padded to ``GROUP_P`` >= 16 rows for ``tl.dot``)."""
+    (padded to ``GROUP_P`` >= 16 rows for ``tl.dot``). Each page is seen once per work item."""
     g = tl.arange(0, GROUP_P)
+    one = tl.arange(0, 1)
     d = tl.arange(0, D_P)
     num_work = num_seqs * NUM_KV_HEADS * NUM_SPLITS
     for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
         split = w % NUM_SPLITS
         kv_head = (w // NUM_SPLITS) % NUM_KV_HEADS
         seq = w // (NUM_SPLITS * NUM_KV_HEADS)
+        head0 = kv_head * GROUP
         row = tl.load(query_start_loc_ptr + seq)
-        count = tl.load(query_start_loc_ptr + seq + 1) - row
-        # Vector masks only: the interpreter mishandles a scalar bool combined with a vector one.
-        has_query = (count + tl.zeros([GROUP_P], tl.int32)) > 0
-        row_mask = (g < GROUP) & has_query
-        heads = kv_head * GROUP + g
-        row_vec = row + tl.zeros([GROUP_P], tl.int32)
-        pos = tl.load(query_pos_ptr + row_vec, mask=has_query, other=0)
-        q_idx_f = tl.load(query_idx_ptr + row_vec, mask=row_mask, other=-1).to(tl.float32)
-        q_rows = q_ptr + row.to(tl.int64) * stride_qt + heads * stride_qh
-        q1, q2 = _rotated_halves(
-            q_rows, pos, row_mask, cos_sin_ptr, stride_cs, HALF, HALF_P, IS_NEOX
-        )
-        q1 = q1 * qk_scale
-        q2 = q2 * qk_scale
-        if not DOT_FP32:
-            q1 = q1.to(q_ptr.dtype.element_ty)
-            q2 = q2.to(q_ptr.dtype.element_ty)
-        nb = tl.where(count > 0, tl.load(num_blocks_ptr + seq), 0)
+        row_end = tl.load(query_start_loc_ptr + seq + 1)  # row or row + 1
+        rows = row + one
+        has_query = rows < row_end
+        pos = tl.load(query_pos_ptr + rows, mask=has_query, other=0)
+        q_idx = tl.load(query_idx_ptr + rows, mask=has_query, other=-1)
+        q1, q2 = _load_q_tile(
+            q_ptr, head0, row, row_end, pos, has_query, cos_sin_ptr, stride_cs, stride_qt,
+            stride_qh, qk_scale, 1, GROUP, GROUP_P, HALF, HALF_P, IS_NEOX, DOT_FP32, BLOCK_PTR,
+        )  # fmt: skip
+        q_idx_f = tl.broadcast_to(q_idx.to(tl.float32), (GROUP_P,))
+        # Entries up to the query's own; none without a query (no negative integer division:
+        # C truncation on the NPU, floor in the interpreter).
+        last = tl.max(q_idx, 0)
+        nb = tl.where(last >= 0, tl.minimum(tl.load(num_blocks_ptr + seq), last // B + 1), 0)
         per_split = tl.cdiv(nb, NUM_SPLITS)
         lo = tl.minimum(split * per_split, nb)
         hi = tl.minimum(lo + per_split, nb)
         m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, D_P], tl.float32)
-        m_i, l_i, acc = _attend_entries(
-            q1, q2, q_idx_f, m_i, l_i, acc, lo, hi, seq.to(tl.int64) * stride_bt,
-            k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
-            stride_kb, stride_ks, stride_vb, stride_vs,
-            block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr,
-            cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, DOT_FP32,
-        )  # fmt: skip
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        mask = row_mask[:, None] & (d < D)[None, :]
+        for j in range(lo, hi):
+            m_i, l_i, acc = _attend_entry(
+                q1, q2, q_idx_f, m_i, l_i, acc, j, seq.to(tl.int64) * stride_bt,
+                k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, k_ptr,
+                stride_kb, stride_ks, stride_vb, stride_vs,
+                block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr,
+                cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, DOT_FP32, 0,
+            )  # fmt: skip
         if NUM_SPLITS == 1:
-            o_rows = out_ptr + row.to(tl.int64) * stride_ot + heads * stride_oh
-            tl.store(o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+            _store_out_tile(
+                out_ptr, head0, row, row_end, acc, l_i, stride_ot, stride_oh,
+                1, GROUP, GROUP_P, D, D_P, BLOCK_PTR,
+            )  # fmt: skip
         else:
             # Partials [T, Hq, NUM_SPLITS, D] and their log2-sum-exp [T, Hq, NUM_SPLITS] (fp32).
-            part = (row.to(tl.int64) * (GROUP * NUM_KV_HEADS) + heads) * NUM_SPLITS + split
+            row_mask = (g < GROUP) & (tl.broadcast_to(q_idx, (GROUP_P,)) >= 0)
+            mask = row_mask[:, None] & (d < D)[None, :]
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            part = (row.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head0 + g) * NUM_SPLITS + split
             tl.store(part_ptr + part[:, None] * D + d[None, :], out, mask=mask)
             safe_l = tl.where(l_i == 0.0, 1.0, l_i)
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(safe_l))
@@ -398,8 +697,28 @@ def _combine_kernel(
         tl.store(o, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def _pow2_at_least(n: int, floor: int = 1) -> int:
-    return max(floor, triton.next_power_of_2(n))
+def prefill_items(
+    query_start_loc: torch.Tensor, block_q: int, cores: int, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prefill work items (sequence, first row, end row): runs of consecutive query tiles.
+
+    A run rotates each page it reaches once, so runs are as long as possible: one per sequence
+    when ``sequences * num_kv_heads`` covers the cores, else sequences are cut into runs of equal
+    tile counts until it does. Longest sequences' last runs (the most keys) come first. Built on
+    the host from a CPU ``query_start_loc`` (this syncs on a device one).
+    """
+    loc = query_start_loc.to("cpu", torch.int64).tolist()
+    tiles = [-(-(hi - lo) // block_q) for lo, hi in zip(loc, loc[1:], strict=False)]
+    want = -(-cores // max(num_kv_heads, 1))
+    busy = sum(1 for t in tiles if t)
+    per_run = max(tiles, default=0) if busy >= want else max(1, -(-sum(tiles) // want))
+    items = []
+    for s, (lo, hi) in enumerate(zip(loc, loc[1:], strict=False)):
+        for first in range(lo, hi, per_run * block_q):
+            items.append((hi - lo, first, s, min(hi, first + per_run * block_q)))
+    items.sort(reverse=True)
+    cols = list(zip(*items, strict=True)) if items else [(), (), (), ()]
+    return tuple(torch.tensor(c, dtype=torch.int32) for c in (cols[2], cols[1], cols[3]))
 
 
 _CORES: dict[tuple[str, int], int] = {}
@@ -475,12 +794,12 @@ def _int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device=device, dtype=torch.int32).contiguous()
 
 
-def _step_tensors(meta: PagedRopeMetadata, device: torch.device, block_q: int):
-    """The metadata as device int32 tensors plus the prefill tile list, built once per step
-    (memoised on the metadata, which every layer of the step shares)."""
-    key = ("ascend-triton", str(device), block_q)
+def _step_tensors(meta: PagedRopeMetadata, device: torch.device):
+    """The metadata as device int32 tensors, built once per step (memoised on the metadata,
+    which every layer of the step shares)."""
+    key = ("ascend-triton", str(device))
     if key not in meta.memo:
-        tables = tuple(
+        meta.memo[key] = tuple(
             _int32(t, device)
             for t in (
                 meta.query_start_loc,
@@ -493,9 +812,26 @@ def _step_tensors(meta: PagedRopeMetadata, device: torch.device, block_q: int):
                 meta.block_valid_end,
             )
         )
-        tile_seq, tile_row = prefill_tiles(meta.query_start_loc, block_q, device)
-        num_tiles = torch.tensor([tile_seq.numel()], dtype=torch.int32, device=device)
-        meta.memo[key] = (tables, (num_tiles, tile_seq, tile_row))
+    return meta.memo[key]
+
+
+def _prefill_step(
+    meta: PagedRopeMetadata,
+    device: torch.device,
+    block_q: int,
+    cores: int,
+    hkv: int,
+    head: int,
+    dtype: torch.dtype,
+):
+    """The prefill work items and the per-program rotated-K scratch, once per step."""
+    key = ("ascend-triton-prefill", str(device), block_q, cores, hkv, head, dtype)
+    if key not in meta.memo:
+        seqs, lo, hi = prefill_items(meta.query_start_loc, block_q, cores, hkv)
+        num_items = torch.tensor([seqs.numel()], dtype=torch.int32, device=device)
+        max_keys = max(1, meta.max_num_blocks * meta.block_size)
+        scratch = torch.empty(cores, max_keys, head, device=device, dtype=dtype)
+        meta.memo[key] = (num_items, seqs.to(device), lo.to(device), hi.to(device), scratch)
     return meta.memo[key]
 
 
@@ -511,12 +847,15 @@ def rope_paged_attention_ascend(
     block_q: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
+    half_dots: bool | None = None,
 ) -> torch.Tensor:
     """Fused-RoPE paged attention for Ascend; same contract and result as the torch reference.
 
     ``kernel`` forces ``"prefill"`` or ``"decode"`` (default: decode when every sequence has at
     most one query). ``cores``, ``block_q`` (queries per tile), ``block_n`` (keys per sub-tile)
-    and ``num_splits`` override the launch choices (tests and benchmarks).
+    and ``num_splits`` override the launch choices (tests and benchmarks; the defaults come from
+    ``choose_tiles``, within ``UB_BUDGET``). ``half_dots`` forces half-precision (True) or fp32
+    (False) dots for fp16/bf16 inputs (default: see ``dots_in_fp32``).
     """
     check_supported(query, kv_cache, meta, rope)
     if kernel not in (None, "prefill", "decode"):
@@ -532,21 +871,28 @@ def rope_paged_attention_ascend(
     k, v = kv_cache[0], kv_cache[1]
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("the KV cache's head dimension must be contiguous")
+    decode = kernel == "decode" or (kernel is None and meta.max_query_len <= 1)
+    if decode and meta.max_query_len > 1:
+        raise ValueError(
+            f"the decode kernel takes <= 1 query per sequence, not {meta.max_query_len}"
+        )
     group = hq // hkv
     group_p = _pow2_at_least(group)
-    block_n = block_n or min(bs, 64)
+    dot_fp32 = dots_in_fp32(query.dtype, kv_cache.dtype, half_dots)
+    cos_sin = rope.cos_sin_cache.to(device).contiguous()
+    auto_q, auto_n = choose_tiles(
+        d, group, bs, query.dtype, kv_cache.dtype, cos_sin.dtype, decode, dot_fp32
+    )
+    block_n = block_n or auto_n
     if block_n < 16 or block_n & (block_n - 1) or bs % block_n:
         raise ValueError(f"block_n {block_n} must be a power of two >= 16 dividing {bs}")
-    if block_q is None:
-        block_q = max(1, 32 // group_p)
+    block_q = block_q or auto_q
     if block_q & (block_q - 1):
         raise ValueError(f"block_q {block_q} must be a power of two")
     # tl.dot takes >= 16 rows (triton-ascend checks it even under its interpreter).
     block_q = max(block_q, 16 // group_p)
     cores = cores or num_cores(device)
-    cos_sin = rope.cos_sin_cache.to(device).contiguous()
-    tables, (num_tiles, tile_seq, tile_row) = _step_tensors(meta, device, block_q)
-    loc, q_pos, q_idx, block_tables, nblocks, first, vstart, vend = tables
+    tables = _step_tensors(meta, device)
     half = d // 2
     common = dict(
         NUM_KV_HEADS=hkv,
@@ -559,7 +905,8 @@ def rope_paged_attention_ascend(
         D=d,
         D_P=_pow2_at_least(d, 16),
         IS_NEOX=bool(rope.is_neox_style),
-        DOT_FP32=INTERPRETED or torch.float32 in (query.dtype, kv_cache.dtype),
+        DOT_FP32=dot_fp32,
+        BLOCK_PTR=BLOCK_POINTERS,
     )
     strides = (
         query.stride(0),
@@ -572,17 +919,11 @@ def rope_paged_attention_ascend(
         v.stride(0),
         v.stride(1),
         v.stride(2),
-        block_tables.stride(0),
+        tables[3].stride(0),
         cos_sin.stride(0),
     )
-    metas = (loc, q_pos, q_idx, block_tables, nblocks, first, vstart, vend)
     qk_scale = float(scale) * LOG2E
 
-    decode = kernel == "decode" or (kernel is None and meta.max_query_len <= 1)
-    if decode and meta.max_query_len > 1:
-        raise ValueError(
-            f"the decode kernel takes <= 1 query per sequence, not {meta.max_query_len}"
-        )
     if decode:
         splits = num_splits or decode_splits(cores, meta.num_seqs, hkv, meta.max_num_blocks)
         if splits & (splits - 1):
@@ -593,7 +934,7 @@ def rope_paged_attention_ascend(
             lse = torch.full((t, hq, splits), float("-inf"), device=device, dtype=torch.float32)
         work = meta.num_seqs * hkv * splits
         _decode_kernel[(min(cores, work),)](
-            query, out, part, lse, k, v, cos_sin, meta.num_seqs, *metas, *strides, qk_scale,
+            query, out, part, lse, k, v, cos_sin, meta.num_seqs, *tables, *strides, qk_scale,
             NUM_SPLITS=splits, **{**common, "GROUP_P": _pow2_at_least(group, 16)},
         )  # fmt: skip
         if splits > 1:
@@ -603,8 +944,12 @@ def rope_paged_attention_ascend(
             )  # fmt: skip
         return out
 
+    dot_dtype = torch.float32 if dot_fp32 else query.dtype
+    num_items, seqs, lo, hi, scratch = _prefill_step(
+        meta, device, block_q, cores, hkv, d, dot_dtype
+    )
     _prefill_kernel[(cores,)](
-        query, out, k, v, cos_sin, num_tiles, tile_seq, tile_row, *metas, *strides, qk_scale,
-        BLOCK_Q=block_q, **common,
+        query, out, k, v, cos_sin, scratch, num_items, seqs, lo, hi, *tables, *strides,
+        scratch.stride(0), qk_scale, BLOCK_Q=block_q, **common,
     )  # fmt: skip
     return out
