@@ -34,6 +34,7 @@ from ascend_mepic.vllm_integration.runner import (
 )
 from ascend_mepic.worker import blend, step
 from ascend_mepic.worker.attention import block_view
+from ascend_mepic.worker.rope import record_model_rope
 from ascend_mepic.worker.step import StepInputs
 from ascend_mepic.worker.token_map import TokenMap
 from ascend_mepic.worker.token_pool import TokenMapPool
@@ -254,6 +255,7 @@ class MepicRunnerMixin:
 
     def load_model(self, *args, **kwargs):
         out = super().load_model(*args, **kwargs)
+        record_model_rope(self.model)
         if self.mepic_blend_layer is not None:
             blend.install_layer_gates(self.model, self.mepic_blend_layer)
         return out

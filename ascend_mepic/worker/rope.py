@@ -30,25 +30,50 @@ REJECTED_ROTARY_CLASSES = (
     "Gemma4RotaryEmbedding",
 )
 
-_specs: list[RopeSpec] = []
+_specs: list[RopeSpec] = []  # every NoPE rotary module built in this process, in order
+_model_rope: RopeSpec | None = None  # the loaded model's, once a runner recorded it
 _installed = False
 
 
-def registered_rope() -> RopeSpec:
-    """The model's RoPE, recorded when its (no-op) rotary modules were built."""
-    if not _specs:
+def _one_rope(specs: list[RopeSpec]) -> RopeSpec:
+    if not specs:
         raise RuntimeError(
             "MEPIC attention found no rotary embedding: the model was built before the NoPE "
             "RoPE override was installed, or it does not use vLLM's RotaryEmbedding"
         )
-    first = _specs[0]
-    for spec in _specs[1:]:
+    first = specs[0]
+    for spec in specs[1:]:
         same = spec.is_neox_style == first.is_neox_style and torch.equal(
             spec.cos_sin_cache.cpu(), first.cos_sin_cache.cpu()
         )
         if not same:
             raise UnsupportedRopeError("layers with different RoPE parameters are not supported")
     return first
+
+
+def record_model_rope(model: torch.nn.Module) -> RopeSpec:
+    """Record the RoPE of the model a runner just loaded, read from its NoPE rotary modules.
+
+    Read from the model rather than from construction records: a process may load one model
+    after another (an ``LLM`` shut down, then another built), and vLLM caches rotary modules
+    across loads, so the construction records can hold an earlier model's RoPE or miss this one's.
+    """
+    global _model_rope
+    specs = [
+        RopeSpec.from_module(m, m.head_size)
+        for m in model.modules()
+        if hasattr(type(m), "mepic_base_name")
+    ]
+    _model_rope = _one_rope(specs)
+    return _model_rope
+
+
+def registered_rope() -> RopeSpec:
+    """The model's RoPE: the loaded model's (``record_model_rope``), else the one recorded when
+    its (no-op) rotary modules were built (layers used without a MEPIC runner)."""
+    if _model_rope is not None:
+        return _model_rope
+    return _one_rope(_specs)
 
 
 def _nope_class(base: type) -> type:

@@ -75,6 +75,17 @@ def pytest_pycollect_makemodule(module_path, parent):
     return None
 
 
+# Last: building an NPU worker applies vllm-ascend's worker patches (its GroupCoordinator, its
+# op registrations, MEPIC's NoPE rotary classes and backend) for the rest of the process.
+RUN_LAST = ("test_engine_loop.py",)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    last = [item for item in items if item.path.name in RUN_LAST]
+    if last:
+        items[:] = [item for item in items if item.path.name not in RUN_LAST] + last
+
+
 # --------------------------------------------------------------------------------------------
 # Stand-ins for the device-only modules.
 
