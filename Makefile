@@ -53,7 +53,8 @@ lock: | $(UV)
 lint: setup
 	$(VENV)/bin/ruff check ascend_mepic cuda_fallback tests benchmarks scripts
 
-# The Ascend environment is made (first run: ~3 min, mostly downloads) while the main suite runs;
+# The Ascend environment (requirements/ascend.lock) is made (first run: about 1.5 min, mostly
+# downloads; seconds with a warm uv cache) while the main suite runs;
 # its log is printed only if making it fails. The exit status is the first failure's.
 # The CPU kernel is (re)built first if csrc/ changed, so no engine test pays for the build.
 test: setup lint

