@@ -2,7 +2,8 @@
 
 The kernel is a torch extension registered as ``torch.ops.ascend_mepic.rope_paged_attention``.
 ``make setup`` builds it (``python -m ascend_mepic.ops.cpu_kernel``); otherwise the first call
-builds it, once per torch version, into ``~/.cache/ascend_mepic/torch_extensions`` (override with
+builds it, once per torch version and environment, into
+``~/.cache/ascend_mepic/torch_extensions`` (override with
 ``ASCEND_MEPIC_EXT_DIR``). If the build or the load fails, the reason is logged as an error once
 and ``available()`` is False: the CPU path then uses the torch reference (the oracle), so a
 machine without a compiler still serves, only slower.
@@ -10,6 +11,7 @@ machine without a compiler still serves, only slower.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -30,9 +32,14 @@ _state: dict[str, object] = {}
 
 
 def build_dir() -> Path:
+    """One build folder per torch, Python and environment (``sys.prefix``): environments with the
+    same torch (``.venv`` and ``.venv-ascend``, two checkouts' venvs) otherwise see each other's
+    build as stale and rebuild it in turn."""
     root = os.environ.get("ASCEND_MEPIC_EXT_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "ascend_mepic" / "torch_extensions"
-    return base / f"torch-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
+    env = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:10]
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return base / f"torch-{torch.__version__}-{py}-env-{env}"
 
 
 def load(verbose: bool = False) -> bool:
