@@ -3,7 +3,8 @@
 Tests start one process per engine configuration, so vLLM's process-global state (registered
 backends, custom ops) never leaks between configurations.
 
-Job: {"model", "mepic": bool, "policy": str|null, "block_size", "max_model_len", "batches":
+Job: {"model", "mepic": bool, "policy": str|null, "dtype" (float32), "block_size",
+"max_model_len", "batches":
 [[{"segments": [[kind, [ids...]], ...], "salt": str|null}, ...], ...], "max_tokens",
 "logprobs", "options" (MEPIC options), "reset_between_batches", "reset_before" (batch indices),
 "tensor_parallel_size"}.
@@ -28,13 +29,12 @@ def main() -> None:
         kwargs = mepic_llm_kwargs(**options)
     llm = LLM(
         model=job["model"],
-        dtype="float32",
-        enforce_eager=True,
+        dtype=job.get("dtype", "float32"),
         max_model_len=job.get("max_model_len", 1024),
         block_size=job.get("block_size", 32),
         seed=0,
         tensor_parallel_size=job.get("tensor_parallel_size", 1),
-        **kwargs,
+        **{"enforce_eager": True, **kwargs},  # eager for stock too (MEPIC's NPU path is eager)
     )
     params = SamplingParams(
         temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=job.get("logprobs", 5)
@@ -62,12 +62,14 @@ def main() -> None:
                 for o in outs
             ]
         )
-    info = {}
+    from vllm.platforms import current_platform
+
+    info = {"platform": current_platform.device_type}
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process engine only
     if job["mepic"] and core is not None:
         manager = core.scheduler.kv_cache_manager
         if hasattr(manager, "metrics"):
-            info = {"metrics": manager.metrics(), "chunk_blocks": list(manager.recent_chunk_blocks)}
+            info.update(metrics=manager.metrics(), chunk_blocks=list(manager.recent_chunk_blocks))
         info["block_hasher"] = getattr(core.request_block_hasher, "__qualname__", None)
     print("RESULT" + json.dumps({"batches": results, **info}))
 

@@ -20,6 +20,7 @@ importable; ``ASCEND_MEPIC_ATTN_IMPL=reference|cpu|triton|triton-ascend|npu`` fo
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -57,8 +58,10 @@ def _triton_ascend() -> AttentionFn:
     return rope_paged_attention_ascend
 
 
+@functools.cache
 def have_triton_ascend() -> bool:
-    """Whether the installed ``triton`` is Ascend's (triton-ascend replaces the package)."""
+    """Whether the installed ``triton`` is Ascend's (triton-ascend replaces the package). Asked
+    every step on an NPU; installed packages do not change in a running process."""
     from importlib.metadata import PackageNotFoundError, distribution
 
     try:

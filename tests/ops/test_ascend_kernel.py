@@ -17,11 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +27,7 @@ from hypothesis import strategies as st
 from ascend_mepic.ops import RopeSpec
 from ascend_mepic.ops.reference import rope_paged_attention_reference
 from tests.ops.interpreter_dots import bf16_dots as bf16_dots  # the fixture
+from tests.ops.interpreter_subprocess import run_interpreted
 from tests.ops.oracle import Batch, dense_oracle, random_batch
 
 if importlib.util.find_spec("triton") is None:
@@ -299,16 +296,4 @@ def test_interpreter_suite_in_subprocess():
     """Run this file with ``TRITON_INTERPRET=1`` set before anything imports triton."""
     if IN_PROCESS:
         pytest.skip("already interpreted in this process")
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=root,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    summary = proc.stdout.strip().splitlines()[-1:] if proc.stdout else []
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    # Only this test may be skipped in the child: the others must really have run.
-    assert summary and "passed" in summary[0] and " 1 skipped" in summary[0], summary
+    run_interpreted(__file__, timeout=900)

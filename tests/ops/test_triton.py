@@ -14,10 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +24,7 @@ from hypothesis import strategies as st
 from ascend_mepic.ops import RopeSpec, rope_paged_attention
 from ascend_mepic.ops.metadata import PagedRopeMetadata
 from ascend_mepic.ops.reference import rope_paged_attention_reference
+from tests.ops.interpreter_subprocess import run_interpreted
 from tests.ops.oracle import Batch, dense_oracle, random_batch
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -282,16 +280,4 @@ def test_rejects_bad_inputs():
 @pytest.mark.skipif(IN_PROCESS, reason="the tests above ran in this process")
 def test_interpreter_suite_in_subprocess():
     """Run this file with ``TRITON_INTERPRET=1`` set before anything imports triton."""
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=root,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    summary = proc.stdout.strip().splitlines()[-1:] if proc.stdout else []
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    # Only this test may be skipped in the child: the others must really have run.
-    assert summary and "passed" in summary[0] and " 1 skipped" in summary[0], summary
+    run_interpreted(__file__, timeout=1200)
