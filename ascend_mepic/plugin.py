@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import torch
@@ -11,20 +10,22 @@ logger = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """Per-process set-up: AMX permission on CPU; on Ascend, MEPIC's worker for MEPIC configs.
+    """Per-process set-up: MEPIC's configuration hook on the current platform; AMX permission.
 
-    vLLM's CPU attention picks an AMX path for bf16 and dies with ``Illegal instruction`` unless
-    the process asked first; doing it here covers every process vLLM spawns. On vllm-ascend's
-    platform, ``vllm serve --additional-config '{"mepic": {}}'`` then selects MEPIC's NPU worker
-    and scheduler (``vllm_integration.ascend.select_mepic_from_config``).
+    With the hook, ``vllm serve --additional-config '{"mepic": {}}'`` (or the same
+    ``additional_config`` in ``LLM``) selects MEPIC's scheduler, worker and attention backend on
+    CPU, CUDA and vllm-ascend's NPU platform, and refuses at config time what MEPIC cannot serve
+    (``vllm_integration.engine_config``). vLLM's CPU attention picks an AMX path for bf16 and dies
+    with ``Illegal instruction`` unless the process asked first; doing it here covers every
+    process vLLM spawns.
     """
-    if importlib.util.find_spec("vllm_ascend") is not None:
-        from vllm.platforms import current_platform
+    from vllm.platforms import current_platform
 
-        if current_platform.device_type == "npu":
-            from ascend_mepic.vllm_integration.ascend import select_mepic_from_config
+    from ascend_mepic.vllm_integration.engine_config import install_config_hook, selection_for
 
-            select_mepic_from_config()
+    selection = selection_for(current_platform)
+    if selection is not None:
+        install_config_hook(type(current_platform), selection)
     init_amx = getattr(torch.cpu, "_init_amx", None)
     if init_amx is not None:
         try:

@@ -16,15 +16,15 @@ Five things vLLM's documented hooks do not reach on vllm-ascend:
   upstream: an allowlist of plugin keys in ``init_ascend_config`` (it has one for vLLM-Omni).
 * **Async scheduling.** vLLM 0.30.0 turns it on by default before the platform's check; the CPU
   platform turns it off, vllm-ascend does not. MEPIC's step plan must describe the step the
-  worker runs next, so ``select_mepic_from_config`` turns it off (logged) before vllm-ascend
+  worker runs next, so MEPIC's configuration hook turns it off (logged) before vllm-ascend
   picks its scheduler classes from it; likewise eager mode (``use_eager_mode``).
 * **Worker and scheduler choice.** ``vllm serve MODEL --additional-config '{"mepic": {}}'`` must
   start MEPIC's worker and scheduler, but ``NPUPlatform.check_and_update_config`` replaces an
   ``auto`` worker with its own and is the only code that sees the final config before the
-  workers start. ``select_mepic_from_config`` wraps it (installed by MEPIC's general plugin on the
-  NPU platform): with a ``mepic`` entry in ``additional_config``, an ``auto`` worker becomes
-  MEPIC's and an unset scheduler MEPIC's; a vllm-ascend scheduler chosen by its own options is
-  refused.
+  workers start. MEPIC's general plugin wraps it on every platform
+  (``engine_config.install_config_hook``, with ``AscendSelection`` here): with a ``mepic`` entry
+  in ``additional_config``, an ``auto`` worker becomes MEPIC's and an unset scheduler MEPIC's; a
+  vllm-ascend scheduler chosen by its own options is refused.
 * **Attention backend.** ``NPUPlatform.get_attn_backend_cls`` returns hard-coded class paths and
   never reads ``selected_backend`` or vLLM's backend registry, so ``register_backend`` (the CPU
   and CUDA route) has no effect. ``use_attention_backend`` wraps that classmethod, in the worker
@@ -45,12 +45,12 @@ from collections.abc import Sequence
 
 import torch
 
+from ascend_mepic.entrypoints.offline import NPU_WORKER_CLS
+from ascend_mepic.vllm_integration.engine_config import MEPIC_KEY, MepicSelection
+
 # vllm-ascend 0.30.0rc2's path for the standard attention backend (``NPUPlatform``'s backend map).
 ASCEND_STANDARD_BACKEND = "vllm_ascend.attention.attention_v1.AscendAttentionBackend"
 MEPIC_NPU_BACKEND = "ascend_mepic.worker.npu_attention.MepicAscendAttentionBackend"
-
-
-MEPIC_KEY = "mepic"
 
 
 class PluginKeysHidden(dict):
@@ -83,20 +83,6 @@ def hide_plugin_keys(additional_config: dict) -> PluginKeysHidden:
     if isinstance(additional_config, PluginKeysHidden):
         return additional_config
     return PluginKeysHidden(dict.items(additional_config))
-
-
-def turn_off_async_scheduling(vllm_config) -> None:
-    """MEPIC's step plan describes the step the worker runs next; async scheduling plans one
-    step ahead. vLLM 0.30.0 resolves it (default on) before the platform's check."""
-    import logging
-
-    scheduler = vllm_config.scheduler_config
-    if scheduler.async_scheduling:
-        logging.getLogger(__name__).warning(
-            "MEPIC turns async scheduling off: its step plan must describe the step the worker "
-            "runs next"
-        )
-    scheduler.async_scheduling = False
 
 
 def use_eager_mode(vllm_config) -> None:
@@ -145,42 +131,18 @@ def use_attention_backend(backend_path: str = MEPIC_NPU_BACKEND) -> None:
     selector._cached_get_attn_backend.cache_clear()
 
 
-def select_mepic_from_config() -> None:
-    """Make ``NPUPlatform.check_and_update_config`` pick MEPIC's worker and scheduler for configs
-    that turn MEPIC on (``additional_config["mepic"]``). Why: see the module docstring."""
-    from vllm_ascend.platform import NPUPlatform
+class AscendSelection(MepicSelection):
+    """vllm-ascend's ``NPUPlatform``: MEPIC's key hidden from vllm-ascend's validation and eager
+    mode, set before vllm-ascend's own check (which keeps a non-``auto`` worker, turns
+    compilation off for eager mode and picks its scheduler classes from async scheduling).
+    Installed by ``engine_config.install_config_hook``; why: see the module docstring."""
 
-    from ascend_mepic.entrypoints.offline import NPU_WORKER_CLS, SCHEDULER_CLS
+    worker_cls = NPU_WORKER_CLS
 
-    current = NPUPlatform.check_and_update_config
-    if getattr(current, "mepic_wrapped", False):
-        return
-
-    def check_and_update_config(cls, vllm_config) -> None:
-        additional = vllm_config.additional_config
-        mepic_on = isinstance(additional, dict) and MEPIC_KEY in additional
-        if mepic_on:
-            vllm_config.additional_config = hide_plugin_keys(additional)
-            parallel = vllm_config.parallel_config
-            if parallel is not None and parallel.worker_cls == "auto":
-                parallel.worker_cls = NPU_WORKER_CLS  # vllm-ascend keeps a non-auto worker
-            turn_off_async_scheduling(vllm_config)
-            use_eager_mode(vllm_config)
-        current(vllm_config)
-        if not mepic_on:
-            return
-        scheduler = vllm_config.scheduler_config
-        if scheduler.scheduler_cls is None:
-            scheduler.scheduler_cls = SCHEDULER_CLS
-        elif scheduler.scheduler_cls != SCHEDULER_CLS:
-            raise ValueError(
-                f"MEPIC needs its scheduler ({SCHEDULER_CLS}); the configuration selects "
-                f"{scheduler.scheduler_cls}: turn off the vllm-ascend scheduler option that chose "
-                "it, or set --scheduler-cls to a subclass of MepicScheduler"
-            )
-
-    check_and_update_config.mepic_wrapped = True  # type: ignore[attr-defined]
-    NPUPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
+    def before_platform_check(self, vllm_config) -> None:
+        vllm_config.additional_config = hide_plugin_keys(vllm_config.additional_config)
+        super().before_platform_check(vllm_config)
+        use_eager_mode(vllm_config)
 
 
 def override_oot_op(name: str, op_cls: type) -> None:
