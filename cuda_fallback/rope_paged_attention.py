@@ -35,13 +35,15 @@ skips every rotation (the benchmark's baseline). Head dims need not be powers of
 are padded to a power of two >= 16 with masking (D = 16, 48, 64, 128 are tested). Pad slots are
 never loaded (an uninitialised block may hold NaN), and a query that sees no key yields 0.
 
-Dots run on fp32 operands (``input_precision="ieee"``) when Q or the cache is fp32, and always
-under the interpreter (whose ``tl.dot`` on bf16 operands is wrong); on a GPU, fp16/bf16 inputs use
-their own dtype for the dots (rotated Q/K are rounded back to it, as the torch reference does)
-with fp32 accumulation.
+Dots run on fp32 operands (``input_precision="ieee"``) when Q or the cache is fp32, and by
+default under the interpreter (whose ``tl.dot`` on bf16 operands is wrong); on a GPU, fp16/bf16
+inputs use their own dtype for the dots (rotated Q/K are rounded back to it, as the torch
+reference does) with fp32 accumulation. ``half_dots=True`` runs that GPU path under the
+interpreter too (tests only: ``tests/ops/test_triton_half.py``, bf16 through a test-side patch).
 
-Status: tested on CPU under ``TRITON_INTERPRET=1`` only (``tests/ops/test_triton.py``). It has NOT
-been run on a real GPU; ``benchmarks/ops/bench_triton_gpu.py`` is the first thing to run on one.
+Status: tested on CPU under ``TRITON_INTERPRET=1`` only (``tests/ops/test_triton.py``; the half
+dots: ``tests/ops/test_triton_half.py``). It has NOT been run on a real GPU;
+``benchmarks/ops/bench_triton_gpu.py`` is the first thing to run on one.
 """
 
 from __future__ import annotations
@@ -494,6 +496,7 @@ def rope_paged_attention_triton(
     block_n: int | None = None,
     num_splits: int | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
+    half_dots: bool | None = None,
 ) -> torch.Tensor:
     """Fused-RoPE paged attention; same contract and result as the torch reference.
 
@@ -501,7 +504,9 @@ def rope_paged_attention_triton(
     ``meta.max_query_len <= 1``, trusted as given). ``tiles`` is ``prefill_tiles(loc, block_m)``
     precomputed with the same ``block_m`` (else built here once per ``meta``, a host sync).
     ``apply_rope=False`` skips all rotation; ``block_m``/``block_n``/``num_splits`` override tile
-    sizes and decode splits (benchmarks and tests).
+    sizes and decode splits (benchmarks and tests). ``half_dots`` (tests) forces the dots of
+    fp16/bf16 inputs into their dtype (True: the GPU's path, also under the interpreter) or fp32
+    (False); None: fp32 under the interpreter, their dtype on a GPU. fp32 inputs: fp32 dots.
     """
     _validate(query, kv_cache, meta, rope)
     if kernel not in (None, "prefill", "decode"):
@@ -543,7 +548,8 @@ def rope_paged_attention_triton(
         D_P=_pow2_at_least(d),
         IS_NEOX=bool(rope.is_neox_style),
         APPLY_ROPE=bool(apply_rope),
-        DOT_FP32=INTERPRETED or torch.float32 in (query.dtype, kv_cache.dtype),
+        DOT_FP32=torch.float32 in (query.dtype, kv_cache.dtype)
+        or (INTERPRETED if half_dots is None else not half_dots),
     )
     strides = (
         query.stride(0),

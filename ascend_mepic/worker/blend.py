@@ -12,6 +12,11 @@ their cached KV in every later layer and cost nothing there: the latency is Cach
 
 Runs in eager mode only (row selection is data-dependent). If a request's prefill is split across
 steps, each step selects among its own chunk tokens.
+
+Masks and indices live on the device of the KV cache and hidden states; the runner's host
+candidate rows are copied there once per step, at the check layer, and every size comes from
+host counts, so selection and gates never sync with the device nor copy per layer
+(``tests/test_blend_device.py`` runs them on torch's ``meta`` device to check).
 """
 
 from __future__ import annotations
@@ -77,34 +82,70 @@ def select(
 
     ``key`` is this layer's fresh un-rotated K ``[rows, Hkv, D]``; ``cache`` the op's
     ``[2, num_blocks, B, Hkv, D]`` view still holding the canonical K at those slots.
+
+    Everything is computed on ``key``'s device (the KV cache's and the hidden states'): the
+    runner's host candidate rows are copied there once, here, and every size (tokens kept per
+    request, rows kept, the subset's longest sequence) comes from host counts, so a GPU step
+    neither syncs nor mixes devices.
     """
+    device = key.device
     bs = cache.shape[2]
-    drop = torch.zeros(state.num_rows, dtype=torch.bool)
+    host_rows = [rows for _, _, rows, _ in state.requests]
+    sizes = [len(rows) for rows in host_rows]
+    # One copy per step (a no-op for rows already there); from pageable memory it is staged
+    # without waiting for the device.
+    all_rows = torch.cat(host_rows).to(device, torch.long, non_blocking=True)
+    drop = torch.zeros(state.num_rows, dtype=torch.bool, device=device)
     selected = []
-    for _, _, rows, ratio in state.requests:
+    for rows, n, (_, _, _, ratio) in zip(all_rows.split(sizes), sizes, state.requests, strict=True):
         slots = slot_mapping[rows].long()
         cached = cache[0][slots // bs, slots % bs]
         deviation = (key[rows].float() - cached.float()).flatten(1).norm(dim=1)
-        count = min(len(rows), math.ceil(ratio * len(rows) - 1e-9))
+        count = min(n, math.ceil(ratio * n - 1e-9))
         # Stable descending order: ties keep the earlier token.
         order = torch.argsort(-deviation, stable=True)
-        keep_rows = rows[order[:count]]
-        drop[rows] = True
-        drop[keep_rows] = False
+        drop.index_fill_(0, rows, True).index_fill_(0, rows[order[:count]], False)
         selected.append(count)
-    keep = torch.nonzero(~drop).flatten()
+    num_keep = state.num_rows - sum(sizes) + sum(selected)
+    # The kept rows in row order: a stable sort puts the not-dropped rows first. ``nonzero``
+    # would give the same rows but syncs to learn their number, which the host already knows.
+    keep = torch.argsort(drop.to(torch.int32), stable=True)[:num_keep]
     state.keep, state.selected = keep, selected
     state.slot_mapping = slot_mapping[keep]
-    state.metadata = subset_metadata(metadata, keep)
+    state.metadata = subset_metadata(
+        metadata, keep, _subset_max_query_len(state, metadata.max_query_len)
+    )
 
 
-def subset_metadata(meta: PagedRopeMetadata, keep: torch.Tensor) -> PagedRopeMetadata:
-    """The same sequences and block tables with only the kept query rows."""
+def _subset_max_query_len(state: BlendStep, max_query_len: int) -> int:
+    """An upper bound on the subset's longest sequence, from host values only.
+
+    Exact for the blending sequences (rows minus dropped candidates). The other sequences keep
+    all their rows and lie in the row ranges between blending ones: each is no longer than its
+    range and than the step's ``max_query_len``. The ops read lengths from ``query_start_loc``;
+    this value only picks the decode kernel (<= 1), which a bound never picks wrongly.
+    """
+    requests = zip(state.requests, state.selected, strict=True)
+    spans = sorted((a, b, len(rows), count) for (a, b, rows, _), count in requests)
+    longest = max((b - a - n + count for a, b, n, count in spans), default=0)
+    starts = [a for a, _, _, _ in spans] + [state.num_rows]
+    ends = [0] + [b for _, b, _, _ in spans]
+    gap = max(start - end for start, end in zip(starts, ends, strict=True))
+    return max(longest, min(gap, max_query_len))
+
+
+def subset_metadata(
+    meta: PagedRopeMetadata, keep: torch.Tensor, max_query_len: int
+) -> PagedRopeMetadata:
+    """The same sequences and block tables with only the kept query rows.
+
+    ``keep`` is ascending and on the metadata's device; ``max_query_len`` is the host's bound
+    on the subset's longest sequence (``_subset_max_query_len``): reading it off the device
+    would sync.
+    """
     loc = meta.query_start_loc.long()
-    bounds = torch.bucketize(keep, loc[1:], right=True)  # sequence of each kept row
-    counts = torch.bincount(bounds, minlength=len(loc) - 1)
-    new_loc = torch.zeros_like(loc)
-    new_loc[1:] = torch.cumsum(counts, 0)
+    # Sequence s starts, in the subset, after the kept rows before its first row.
+    new_loc = torch.searchsorted(keep, loc)
     return PagedRopeMetadata(
         block_size=meta.block_size,
         query_start_loc=new_loc.to(meta.query_start_loc.dtype),
@@ -115,7 +156,7 @@ def subset_metadata(meta: PagedRopeMetadata, keep: torch.Tensor) -> PagedRopeMet
         block_first_pos=meta.block_first_pos,
         block_valid_start=meta.block_valid_start,
         block_valid_end=meta.block_valid_end,
-        max_query_len=int(counts.max()) if len(counts) else 0,
+        max_query_len=max_query_len,
         max_num_blocks=meta.max_num_blocks,
     )
 
@@ -132,7 +173,7 @@ class _LayerGate(nn.Module):
         state = current()
         if state is None or not state.active(self.index):
             return self.layer(positions, hidden_states, residual, **kwargs)
-        keep = state.keep.to(hidden_states.device)
+        keep = state.keep  # on the device of the KV cache, i.e. of the hidden states
         if hidden_states.shape[0] == state.num_rows:  # the first gated layer of this step
             hidden_states, residual = hidden_states[keep], residual[keep]
         hidden_states, residual = self.layer(positions[keep], hidden_states, residual, **kwargs)
