@@ -8,6 +8,8 @@ why it is needed; docs/architecture.md lists them. When vllm-ascend moves to a n
 package (and ``version.SUPPORTED_VLLM``) is what to port.
 
 * ``version``: the supported vLLM and the start-up check.
+* ``engine_config``: the platform's configuration check wrapped, so that ``{"mepic": ...}`` in
+  ``additional_config`` selects MEPIC's worker, scheduler and attention backend on every platform.
 * ``channel``: the typed per-step plan sent from the scheduler to the workers.
 * ``block_hasher``: the engine core's arrival-time prompt hashing, skipped for segmented
   requests (MEPIC hashes their private stream itself).

@@ -265,7 +265,8 @@ class MepicAttentionBackend(CPUAttentionBackend):
 def register_backend(names: tuple[str, ...] = ("CPU_ATTN",)) -> None:
     """Point vLLM's backend names at this backend (worker process, before the model is built).
 
-    On CPU the platform always picks CPU_ATTN; the CUDA worker passes the CUDA names.
+    On CPU the platform always picks CPU_ATTN. (CUDA selects ``cuda_attention``'s backend as
+    vLLM's CUSTOM backend; Ascend wraps the NPU platform's choice.)
     """
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.backends.registry import register_backend as vllm_register
