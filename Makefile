@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.ascend-mepic-setup
 DEMO_DIR ?= results/demo
 
-.PHONY: setup lock test test-ascend test-npu lint demo bench clean
+.PHONY: setup lock test test-ascend test-npu test-gpu lint demo bench clean
 
 setup: $(STAMP)
 
@@ -83,6 +83,19 @@ NPU_PY ?= $(or $(VIRTUAL_ENV:%=%/bin/python),$(CONDA_PREFIX:%=%/bin/python),$(wi
 test-npu:
 	@$(NPU_PY) -m ascend_mepic.entrypoints.cli doctor; doctor=$$?; \
 	$(NPU_PY) -m pytest -q -rs -m npu tests/npu; tests=$$?; \
+	exit $$(( doctor != 0 ? doctor : tests ))
+
+# On a CUDA GPU (UNTESTED ON A GPU): `ascend-mepic doctor`, then tests/gpu (the Triton kernels
+# against the float64 oracle, benchmarks/bench_rope_overhead.py at a tiny size, a tiny model
+# through MEPIC against stock vLLM with piecewise CUDA graphs and once eager), in the Python of a
+# CUDA environment (CUDA torch, vLLM 0.30.0's CUDA build, `pip install -e .` of this package):
+# the active virtualenv or conda env, else .venv, else python3; GPU_PY=/path/to/python picks
+# another. Without a GPU every test there skips, with the reason. Both always run; the exit
+# status is the first failure's.
+GPU_PY ?= $(or $(VIRTUAL_ENV:%=%/bin/python),$(CONDA_PREFIX:%=%/bin/python),$(wildcard $(PY)),python3)
+test-gpu:
+	@$(GPU_PY) -m ascend_mepic.entrypoints.cli doctor; doctor=$$?; \
+	$(GPU_PY) -m pytest -q -rs -m gpu tests/gpu; tests=$$?; \
 	exit $$(( doctor != 0 ? doctor : tests ))
 
 # The paper's Table 2 comparison in a quick size on CPU: a SQuAD trace, the KV planner over it, then
