@@ -341,6 +341,12 @@ def add_parser(sub: Any) -> None:
     from ascend_mepic.eval.bench.kernels import add_arguments as add_kernel_arguments
 
     add_kernel_arguments(kern)
+    fid = bsub.add_parser(
+        "fidelity", help="a model's answers under each policy vs full: run before turning MEPIC on"
+    )
+    from ascend_mepic.eval.bench.fidelity import add_arguments as add_fidelity_arguments
+
+    add_fidelity_arguments(fid)
     w = bsub.add_parser("workload", help="Table 1 workload statistics (no engine)")
     common(w, 200)
     w.add_argument("--points", type=int, nargs="+", help="chunk counts")
