@@ -22,8 +22,9 @@ import random
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -339,3 +340,231 @@ def resolve_model(name_or_path: str) -> Path:
         f"model {name_or_path!r} is neither 'smollm2', 'tiny', 'tiny-llama' "
         "nor an existing model directory"
     )
+
+
+# -- reduced copies of the published models users serve ---------------------------------------
+
+
+@dataclass(frozen=True)
+class ReducedModel:
+    """A published model's attention geometry at a size that runs on 2 CPU cores.
+
+    ``published`` holds the model's own ``config.json`` values (written down here, nothing is
+    downloaded); ``reduced`` the ones changed to make it small. Everything attention does per
+    head is kept: head size, GQA ratio, RoPE base and scaling, norms (Qwen3's per-head q/k
+    RMSNorm before RoPE), biases (Qwen2's QKV bias), no sliding window. The tokenizer is the
+    tiny one (512 tokens), so the vocabulary and the special token ids are its own.
+    """
+
+    model_type: str
+    architecture: str
+    seed: int  # of the random weights; fixed per model, so adding a model changes no other
+    published: dict[str, Any]
+    reduced: dict[str, Any]
+
+    @property
+    def slug(self) -> str:
+        """Folder name under ``cache_dir()/models``: ``reduced-`` and the architecture's family."""
+        return "reduced-" + self.architecture.removesuffix("ForCausalLM").lower()
+
+    def config_values(self) -> dict[str, Any]:
+        """The transformers config values the reduced model is built from."""
+        return {**self.published, **self.reduced}
+
+
+# Published model id -> its reduced copy. Kept from config.json: head_dim 128, the GQA ratio,
+# rope_theta, rope_scaling (Llama-3.1's llama3), rms_norm_eps, hidden_act, attention biases
+# (Qwen2's QKV bias is in its code, not its config), no sliding window, untied embeddings.
+# Reduced: 2 layers; heads cut in proportion (32/8 to 8/2; Qwen2.5's 28/4 to 7/1); hidden size
+# 256 (Qwen2.5: 896, as vLLM's Qwen2 takes its head size as hidden_size // heads); intermediate
+# size 512; the tiny tokenizer's 512-token vocabulary and special ids; max_position_embeddings
+# (RoPE tables scale with it), Llama-3.1's kept above its original_max_position_embeddings
+# (8192), which llama3 scaling is defined by.
+REDUCED_ARCHITECTURES: dict[str, ReducedModel] = {
+    "mistralai/Mistral-7B-Instruct-v0.3": ReducedModel(
+        model_type="mistral",
+        architecture="MistralForCausalLM",
+        seed=3,
+        published={
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,  # not in config.json: 4096 / 32
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1e6,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "initializer_range": 0.02,
+            "vocab_size": 32768,
+        },
+        reduced={
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+        },
+    ),
+    "meta-llama/Llama-3.1-8B-Instruct": ReducedModel(
+        model_type="llama",
+        architecture="LlamaForCausalLM",
+        seed=2,
+        published={
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "initializer_range": 0.02,
+            "vocab_size": 128256,
+        },
+        reduced={
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 16384,
+        },
+    ),
+    "Qwen/Qwen2.5-7B-Instruct": ReducedModel(
+        model_type="qwen2",
+        architecture="Qwen2ForCausalLM",
+        seed=0,
+        published={
+            "hidden_act": "silu",
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 32768,
+            "max_window_layers": 28,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6,
+            "sliding_window": 131072,
+            "use_sliding_window": False,  # so no layer has a window (transformers drops it)
+            "tie_word_embeddings": False,
+            "initializer_range": 0.02,
+            "vocab_size": 152064,
+        },
+        reduced={
+            "hidden_size": 896,
+            "intermediate_size": 512,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 7,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 4096,
+        },
+    ),
+    "Qwen/Qwen3-8B": ReducedModel(
+        model_type="qwen3",
+        architecture="Qwen3ForCausalLM",
+        seed=1,
+        published={
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "max_position_embeddings": 40960,
+            "max_window_layers": 36,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6,
+            "rope_scaling": None,
+            "attention_bias": False,
+            "sliding_window": None,
+            "use_sliding_window": False,
+            "tie_word_embeddings": False,
+            "initializer_range": 0.02,
+            "vocab_size": 151936,
+        },
+        reduced={
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+        },
+    ),
+}
+# Bump when the reduced build changes, so folders cached by an older build are rebuilt.
+_REDUCED_BUILD_VERSION = 1
+# Random weights leave norms at 1 and biases at 0, which would hide a norm or bias that the
+# engine or a reference drops: both get seeded noise of this size.
+_NORM_NOISE = 0.1
+_BIAS_NOISE = 0.1
+
+
+def _build_reduced(out: Path, model_id: str) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    spec = REDUCED_ARCHITECTURES[model_id]
+    tokenizer = _tiny_tokenizer()
+    values = spec.config_values()
+    values.update(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=[spec.architecture],
+        dtype="float32",
+    )
+    config = AutoConfig.for_model(spec.model_type, **values)
+    # Private RNG state, seeded per model: the same bytes on every build.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.add_(torch.randn_like(param), alpha=_NORM_NOISE)
+                elif name.endswith(".bias"):
+                    param.normal_(0.0, _BIAS_NOISE)
+    if type(model).__name__ != spec.architecture:
+        raise RuntimeError(f"{model_id}: built {type(model).__name__}, not {spec.architecture}")
+    model.generation_config = GenerationConfig.from_model_config(config)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def prepare_reduced(model_id: str, dest: Path | None = None, force: bool = False) -> Path:
+    """Make the reduced copy of a published model (``REDUCED_ARCHITECTURES``); return its path.
+
+    Random float32 weights made once by transformers and saved as safetensors, so transformers
+    and vLLM load the same weights. Defaults to ``cache_dir()/models/reduced-<architecture>``;
+    takes a few seconds.
+    """
+    if model_id not in REDUCED_ARCHITECTURES:
+        raise ValueError(
+            f"no reduced model for {model_id!r}; known: {', '.join(REDUCED_ARCHITECTURES)}"
+        )
+    spec = REDUCED_ARCHITECTURES[model_id]
+    if dest is None:
+        dest = cache_dir() / "models" / spec.slug
+    kind = f"{spec.slug} v{_REDUCED_BUILD_VERSION}"
+    return _build_atomically(dest, kind, force, lambda out: _build_reduced(out, model_id))
