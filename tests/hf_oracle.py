@@ -11,6 +11,12 @@ attention and RoPE written here:
 
 ``k`` per chunk comes from the caller (MEPIC: 16; the paper's first-block policy: the first
 block's real tokens); no layout, block or padding is involved.
+
+Models: Llama, Mistral, Qwen2 (its QKV bias is in the HF projections) and Qwen3 (q and k are
+RMS-normed per head before RoPE, so the chunk-alone K kept is normed and un-rotated). Default RoPE
+is computed here from its base; a scaled RoPE (Llama-3.1's llama3) takes its inverse frequencies
+from the HF model's own rotary module, so this oracle shares no RoPE code with the policy
+reference, which computes them from the config.
 """
 
 from __future__ import annotations
@@ -32,10 +38,13 @@ def first_block(block_size: int) -> Callable[[int], int]:
     return lambda n: n - block_size * (-(-n // block_size) - 1)
 
 
-def _rotate(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Neox-style RoPE (HF Llama's rotate_half) as complex rotation, in float64. x [N, H, D]."""
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _rotate(x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """Neox-style RoPE (HF Llama's rotate_half) as complex rotation, in float64. x [N, H, D],
+    ``inv`` the inverse frequencies [D/2]."""
     d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     rot = torch.polar(
         torch.ones(len(pos), d // 2, dtype=torch.float64), pos.double()[:, None] * inv
     )
@@ -43,14 +52,33 @@ def _rotate(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return torch.cat((z.real, z.imag), dim=-1)
 
 
+def _inv_freq(model, head_dim: int) -> torch.Tensor:
+    """Default RoPE from its base (float64); any other type from the HF rotary module."""
+    cfg = model.config
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") == "default":
+        theta = float(getattr(cfg, "rope_theta", None) or rope["rope_theta"])
+        return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    rotary = model.model.rotary_emb
+    assert float(rotary.attention_scaling) == 1.0, "RoPE that scales cos/sin is not modelled"
+    return rotary.inv_freq.detach().double().cpu()
+
+
+def _norm(attn, name: str, x: torch.Tensor) -> torch.Tensor:
+    """Qwen3's per-head q/k RMSNorm (before RoPE); nothing for the other families."""
+    norm = getattr(attn, name, None)
+    return x if norm is None else norm(x)
+
+
 class MepicOracle:
     def __init__(self, model) -> None:
         self.model = model.eval()
         cfg = model.config
-        self.theta = float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
+        assert cfg.model_type in MODEL_TYPES, f"model type {cfg.model_type!r} is not modelled"
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.inv_freq = _inv_freq(model, self.head_dim)
 
     @torch.no_grad()
     def _run(self, tokens, positions, past):
@@ -64,14 +92,14 @@ class MepicOracle:
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             n = len(tokens)
-            q = attn.q_proj(x).view(n, self.heads, self.head_dim)
-            k = attn.k_proj(x).view(n, self.kv_heads, self.head_dim)
+            q = _norm(attn, "q_norm", attn.q_proj(x).view(n, self.heads, self.head_dim))
+            k = _norm(attn, "k_norm", attn.k_proj(x).view(n, self.kv_heads, self.head_dim))
             v = attn.v_proj(x).view(n, self.kv_heads, self.head_dim)
             mine.append((k, v, pos))
             pk, pv, ppos = past[i] if past else (k[:0], v[:0], pos[:0])
             keys, vals, kpos = torch.cat([pk, k]), torch.cat([pv, v]), torch.cat([ppos, pos])
-            qr = _rotate(q, pos, self.theta)
-            kr = _rotate(keys, kpos, self.theta)
+            qr = _rotate(q, pos, self.inv_freq)
+            kr = _rotate(keys, kpos, self.inv_freq)
             group = self.heads // self.kv_heads
             kr = kr.repeat_interleave(group, dim=1)
             vv = vals.double().repeat_interleave(group, dim=1)

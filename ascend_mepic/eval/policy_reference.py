@@ -6,6 +6,12 @@ against it and accuracy can be measured without the engine. It shares no code wi
 only the Hugging Face model's own modules are used (embeddings, norms, projections, MLP, LM head);
 attention and RoPE are written here, in float64.
 
+Models: the Llama family as transformers implements it (``SUPPORTED_MODEL_TYPES``): Llama
+(llama3 RoPE scaling), Mistral, Qwen2 (QKV bias, carried by the HF projections) and Qwen3
+(per-head RMSNorm of q and k before RoPE, so a chunk's cached K is the normed, un-rotated one).
+RoPE inverse frequencies are computed here in float64 from the config (default, linear, llama3)
+and checked against the HF model's own rotary module.
+
 Semantics. Real tokens of a request have logical positions 0..N-1 (their index in the
 unsegmented prompt). A chunk's *canonical* KV is the chunk run alone at chunk-local positions
 0..L-1 (legolink-0: after 4 dummy tokens, whose KV is dropped); K is kept un-rotated and rotated
@@ -40,6 +46,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,6 +63,40 @@ _POLICY_HELP = (
     "(K >= 1 tokens, 0 < R <= 100 percent)"
 )
 _MEPIC_K = 16  # mepic's default: the first 16 tokens of each chunk (MEPIC_DEFAULT_K)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(config: Any) -> torch.Tensor:
+    """RoPE inverse frequencies [D/2] in float64 from a transformers config (transformers 5's
+    ``rope_parameters``): default, linear (positions / factor) or llama3 (Llama-3.1's smooth
+    scaling of the low frequencies). Raises ValueError naming any other RoPE type."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"RoPE type {kind!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary RoPE is not supported")
+    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", None)))
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if kind == "linear":
+        return inv / float(rope["factor"])
+    if kind == "llama3":
+        factor, low, high = (
+            float(rope[k]) for k in ("factor", "low_freq_factor", "high_freq_factor")
+        )
+        old_len = float(rope["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        # Short wavelengths kept, long ones divided by factor, a linear blend in between.
+        smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        return torch.where(
+            wavelen < old_len / high,
+            inv,
+            torch.where(wavelen > old_len / low, inv / factor, blended),
+        )
+    return inv
 
 
 def parse_policy(name: str) -> tuple[str, int | None]:
@@ -113,6 +154,29 @@ def cachetune_scores(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.T
     return total / len(kv)
 
 
+def _check_rope_against_hf(hf_model: torch.nn.Module, inv_freq: torch.Tensor) -> None:
+    """Refuse a model whose own rotary module disagrees with ``rope_inv_freq`` (a RoPE variant
+    this module does not restate) or scales cos/sin (attention_scaling != 1)."""
+    rotary = getattr(getattr(hf_model, "model", None), "rotary_emb", None)
+    theirs = getattr(rotary, "inv_freq", None)
+    if theirs is None:
+        return
+    # transformers computes in float32: agreement to float32 rounding, not to float64.
+    if theirs.shape != inv_freq.shape or not torch.allclose(
+        theirs.detach().cpu().double(), inv_freq, rtol=1e-5, atol=0.0
+    ):
+        raise ValueError("the model's rotary inv_freq differs from its config's RoPE parameters")
+    scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    if scaling != 1.0:
+        raise ValueError(f"RoPE attention scaling {scaling} is not supported")
+
+
+def _head_norm(attn: torch.nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm of q or k (before RoPE); identity where the model has none."""
+    norm = getattr(attn, name, None)
+    return x if norm is None else norm(x)
+
+
 @dataclass(frozen=True)
 class PromptState:
     """A request's prompt after prefill: per-layer rotated K and V (float64) for every real token,
@@ -140,7 +204,8 @@ class PromptState:
 
 
 class PolicyReference:
-    """Dense float64-attention forward of a Llama-family HF model under each PIC policy.
+    """Dense float64-attention forward of a Llama-family HF model (``SUPPORTED_MODEL_TYPES``)
+    under each PIC policy.
 
     ``block_size`` fixes mepic-block's first block; ``dummy_token_id`` (the tokenizer's BOS) is
     needed by legolink-0; ``check_layer`` is CacheBlend's selection layer. Canonical chunk KV is
@@ -157,12 +222,11 @@ class PolicyReference:
         cache_size: int = 32,
     ) -> None:
         cfg = hf_model.config
-        if getattr(cfg, "model_type", None) != "llama":
-            raise ValueError(f"only Llama-family models are supported, got {cfg.model_type!r}")
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"only default RoPE is supported, got {rope.get('rope_type')!r}")
-        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
+        if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {getattr(cfg, 'model_type', None)!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         if block_size < 1:
             raise ValueError(f"block size must be positive, got {block_size}")
         num_layers = cfg.num_hidden_layers
@@ -175,9 +239,8 @@ class PolicyReference:
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self.inv_freq = float(theta) ** (
-            -torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
-        )
+        self.inv_freq = rope_inv_freq(cfg)
+        _check_rope_against_hf(hf_model, self.inv_freq)
         self.cache_size = cache_size
         self._canonical: OrderedDict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
 
@@ -294,8 +357,8 @@ class PolicyReference:
             attn = layer.self_attn
             r = len(rows)
             x = layer.input_layernorm(h[rows])
-            q = attn.q_proj(x).view(r, self.heads, self.head_dim)
-            k_new = attn.k_proj(x).view(r, self.kv_heads, self.head_dim)
+            q = _head_norm(attn, "q_norm", attn.q_proj(x).view(r, self.heads, self.head_dim))
+            k_new = _head_norm(attn, "k_norm", attn.k_proj(x).view(r, self.kv_heads, self.head_dim))
             v_new = attn.v_proj(x).view(r, self.kv_heads, self.head_dim)
             if r == n:
                 k, v = k_new, v_new
@@ -553,8 +616,8 @@ class PolicyReference:
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(b, self.heads, self.head_dim)
-            k = attn.k_proj(x).view(b, self.kv_heads, self.head_dim)
+            q = _head_norm(attn, "q_norm", attn.q_proj(x).view(b, self.heads, self.head_dim))
+            k = _head_norm(attn, "k_norm", attn.k_proj(x).view(b, self.kv_heads, self.head_dim))
             v = attn.v_proj(x).view(b, self.kv_heads, self.head_dim)
             keys[i][rows, :, lengths] = self._rotate(k, lengths)
             values[i][rows, :, lengths] = v.double()
