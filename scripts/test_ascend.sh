@@ -167,5 +167,5 @@ start=$(date +%s)
 # TRITON_INTERPRET=1: Triton kernels run on CPU tensors (read when the kernels are decorated).
 # TORCH_DEVICE_BACKEND_AUTOLOAD=0: torch does not look for device backends (torch_npu) at import.
 TRITON_INTERPRET=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$VENV/bin/python" -m pytest -q \
-  -p no:cacheprovider tests/ascend tests/ops/test_triton_ascend.py tests/ops/test_ascend_kernel.py "$@"
+  -p no:cacheprovider tests/ascend tests/ops/test_triton_ascend.py tests/ops/test_ascend_kernel.py tests/ops/test_head128.py "$@"
 echo "test_ascend: tests ran in $(($(date +%s) - start)) s"

@@ -220,3 +220,16 @@ def test_links_between_docs_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{f.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_supported_models_table_is_generated_from_the_tests():
+    """The README's supported/refused model tables are scripts/supported_models.py's output,
+    which reads what tests/test_real_geometry.py and tests/test_unsupported_models.py check."""
+    import runpy
+
+    script = runpy.run_path(str(REPO / "scripts" / "supported_models.py"))
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert script["readme_section"](readme) == script["render"](), (
+        "README.md's supported-models section differs from what the tests check: run "
+        "`.venv/bin/python scripts/supported_models.py --write`"
+    )
