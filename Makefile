@@ -86,7 +86,7 @@ test-npu:
 	exit $$(( doctor != 0 ? doctor : tests ))
 
 # On a CUDA GPU (UNTESTED ON A GPU): `ascend-mepic doctor`, then tests/gpu (the Triton kernels
-# against the float64 oracle, benchmarks/bench_rope_overhead.py at a tiny size, a tiny model
+# against the float64 oracle, benchmarks/ops/bench_triton_gpu.py at a tiny size, a tiny model
 # through MEPIC against stock vLLM with piecewise CUDA graphs and once eager), in the Python of a
 # CUDA environment (CUDA torch, vLLM 0.30.0's CUDA build, `pip install -e .` of this package):
 # the active virtualenv or conda env, else .venv, else python3; GPU_PY=/path/to/python picks

@@ -232,17 +232,14 @@ class MepicAttentionImpl(AttentionImpl):
         return output
 
 
-class MepicAttentionBackend(CPUAttentionBackend):
-    """CPU_ATTN's capabilities (block sizes, head sizes, layout) with MEPIC's impl and builder."""
-
-    @staticmethod
-    def get_name() -> str:
-        return "CPU_ATTN"
+class MepicBackendCapabilities:
+    """What MEPIC's backend serves on every platform, declared once for vLLM's selector: its
+    impl and builder, decoder attention only, no sliding window, blocks of any multiple of 16
+    (the paper's GPU block size; the ops gather any block). Mixed in before the platform's base
+    backend (``MepicAttentionBackend``, ``cuda_attention.MepicCudaAttentionBackend``)."""
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
-        """The torch ops take any block size; 16 is the paper's GPU setting (CPU_ATTN's own C++
-        kernel needs multiples of 32, which stock vLLM on CPU keeps)."""
         return [MultipleOf(16)]
 
     @classmethod
@@ -260,6 +257,15 @@ class MepicAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[MepicAttentionMetadataBuilder]:
         return MepicAttentionMetadataBuilder
+
+
+class MepicAttentionBackend(MepicBackendCapabilities, CPUAttentionBackend):
+    """CPU_ATTN's head sizes and layout with MEPIC's capabilities (CPU_ATTN's own C++ kernel
+    needs blocks of multiples of 32, which stock vLLM on CPU keeps; MEPIC's ops take 16)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
 
 
 def register_backend(names: tuple[str, ...] = ("CPU_ATTN",)) -> None:

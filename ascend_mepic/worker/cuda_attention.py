@@ -2,11 +2,11 @@
 
 UNTESTED ON A GPU: its selection and checks run here with vLLM's CUDA platform code and a faked
 device capability (``tests/cuda``); its kernels (``cuda_fallback/``, Triton) only under Triton's
-CPU interpreter. The impl and metadata builder are the CPU path's (``worker/attention.py``, tested
-in the real engine); what differs is what the backend declares to vLLM's selector, so that a
-model, dtype or GPU the Triton kernels do not serve is refused by vLLM's own
-``validate_configuration`` at start-up (``engine_config.check_backend_serves_model`` calls it
-before any process starts).
+CPU interpreter. The impl, metadata builder and common capabilities are the CPU path's
+(``worker/attention.py``, tested in the real engine); what differs is what the backend
+declares to vLLM's selector, so that a model, dtype or GPU the Triton kernels do not serve is
+refused by vLLM's own ``validate_configuration`` at start-up
+(``engine_config.check_backend_serves_model`` calls it before any process starts).
 
 Why ``CUSTOM`` rather than registering over FLASH_ATTN/TRITON_ATTN: vLLM's CUDA selector ranks
 backends per GPU generation (FLASHINFER first on SM100) and honours ``--attention-backend``; a
@@ -19,10 +19,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleOf
+from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from ascend_mepic.worker.attention import MepicAttentionImpl, MepicAttentionMetadataBuilder
+from ascend_mepic.worker.attention import MepicBackendCapabilities
 
 # Even head sizes the Triton kernels' tiles were written for (D padded to a power of two; above
 # 256 the tiles of one program no longer fit a GPU's registers and shared memory).
@@ -31,7 +31,7 @@ CUDA_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 MIN_CAPABILITY = (8, 0)
 
 
-class MepicCudaAttentionBackend(AttentionBackend):
+class MepicCudaAttentionBackend(MepicBackendCapabilities, AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     # Chunk KV is stored once and read by every request: no quantized KV cache.
     supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
@@ -41,11 +41,6 @@ class MepicCudaAttentionBackend(AttentionBackend):
     @staticmethod
     def get_name() -> str:
         return "CUSTOM"
-
-    @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
-        """16 is the paper's GPU block size; the kernels gather any multiple of it."""
-        return [MultipleOf(16)]
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -60,25 +55,9 @@ class MepicCudaAttentionBackend(AttentionBackend):
     def supports_compute_capability(cls, capability) -> bool:
         return (capability.major, capability.minor) >= MIN_CAPABILITY
 
-    @classmethod
-    def supports_sliding_window(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
-
     @staticmethod
     def use_cascade_attention(*args, **kwargs) -> bool:
         return False
-
-    @staticmethod
-    def get_impl_cls() -> type[MepicAttentionImpl]:
-        return MepicAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[MepicAttentionMetadataBuilder]:
-        return MepicAttentionMetadataBuilder
 
 
 def register_cuda_backend() -> None:

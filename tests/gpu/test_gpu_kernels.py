@@ -12,7 +12,7 @@ kernel), fp16, bf16 and fp32, called the way serving calls it (``ascend_mepic.op
 pick ``triton`` on CUDA). Beside that: flash-decoding splits over long contexts, tile-size
 variants, GPT-J rotation, the GPU worker's cache layout, pad slots holding NaN, the no-RoPE
 variant the benchmark uses as its baseline, the KV write op, and a short run of
-``benchmarks/bench_rope_overhead.py``.
+``benchmarks/ops/bench_triton_gpu.py``.
 
 Tolerances (``assert_close`` with ``atol = rtol = TOL[dtype]``; the oracle starts from the very
 fp16/bf16 inputs, so only the kernel's internal rounding counts): fp16 and bf16 8 eps (7.8e-3,
@@ -26,7 +26,6 @@ TF32 path fails.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -39,7 +38,7 @@ from ascend_mepic import ops
 from ascend_mepic.ops import RopeSpec, SequenceSpec, build_metadata
 from ascend_mepic.ops.metadata import PagedRopeMetadata
 from tests.gpu.conftest import sync
-from tests.ops.oracle import Batch, dense_oracle, random_batch
+from tests.ops.oracle import Batch, dense_oracle, nan_outside_real_slots, random_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -194,19 +193,6 @@ def test_gptj_rotation(head, phase, gpu_device):
     check(via_ops(b, gpu_device), b)
 
 
-def nan_outside_real_slots(b: Batch) -> Batch:
-    """Every slot no sequence owns as a real key (pads, unused blocks) set to NaN."""
-    m = b.meta
-    real = torch.zeros(b.kv_cache.shape[1:3], dtype=torch.bool)
-    for s in range(m.num_seqs):
-        for j in range(int(m.num_blocks[s])):
-            blk = int(m.block_tables[s, j])
-            real[blk, int(m.block_valid_start[s, j]) : int(m.block_valid_end[s, j])] = True
-    cache = b.kv_cache.clone()
-    cache[:, ~real] = float("nan")
-    return replace(b, kv_cache=cache)
-
-
 @pytest.mark.parametrize("phase", ["prefill", "decode", "mixed"])
 def test_pad_slots_are_never_read(phase, gpu_device):
     """vLLM's blocks are not zeroed: pad slots may hold anything, NaN included."""
@@ -298,16 +284,18 @@ def test_write_kv(dtype, layout, gpu_device):
 
 
 def test_rope_overhead_benchmark_prints_ratios(gpu_device):
-    """``benchmarks/bench_rope_overhead.py`` at a tiny size: it runs and prints a ratio per row
-    (nothing about time is asserted)."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_rope_overhead.py"), "--contexts",
-           "512", "--decode-batch", "4", "--warmup", "1", "--repeat", "3"]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    """``benchmarks/ops/bench_triton_gpu.py`` at a tiny size: it runs, its fused kernel agrees
+    with SDPA, and it prints the with/without-RoPE ratio per row (nothing about time is
+    asserted)."""
+    script = ROOT / "benchmarks" / "ops" / "bench_triton_gpu.py"
+    quick = ["--contexts", "512", "--decode-batch", "4", "--warmup", "1", "--repeat", "3"]
+    cmd = [sys.executable, str(script), *quick]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    lines = done.stdout.splitlines()
-    rows = [line for line in lines if line.startswith("| ") and "ratio" not in line]
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[1:]]
     assert len(rows) == 4, done.stdout  # prefill and decode, block 16 and 128
+    ratio, diff = header.index("fused/no RoPE"), header.index("max abs diff")
     for row in rows:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        assert float(cells[-1]) > 0, row
+        assert float(row[ratio]) > 0 and "MISMATCH" not in row[diff], row

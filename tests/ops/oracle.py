@@ -8,7 +8,7 @@ does softmax attention in float64.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -188,3 +188,17 @@ def random_batch(
     meta = build_metadata(specs, block_size)
     query = torch.randn(meta.num_queries, hq, head, generator=gen).to(dtype)
     return Batch(query, kv_cache, meta, rope, base, head**-0.5, rotated)
+
+
+def nan_outside_real_slots(b: Batch) -> Batch:
+    """Every slot no sequence owns as a real key (pads, unused blocks) set to NaN: vLLM's blocks
+    are not zeroed, so a kernel must never read them."""
+    m = b.meta
+    real = torch.zeros(b.kv_cache.shape[1:3], dtype=torch.bool)
+    for s in range(m.num_seqs):
+        for j in range(int(m.num_blocks[s])):
+            blk = int(m.block_tables[s, j])
+            real[blk, int(m.block_valid_start[s, j]) : int(m.block_valid_end[s, j])] = True
+    cache = b.kv_cache.clone()
+    cache[:, ~real] = float("nan")
+    return replace(b, kv_cache=cache)

@@ -25,7 +25,7 @@ from ascend_mepic.ops import RopeSpec, rope_paged_attention
 from ascend_mepic.ops.metadata import PagedRopeMetadata
 from ascend_mepic.ops.reference import rope_paged_attention_reference
 from tests.ops.interpreter_subprocess import run_interpreted
-from tests.ops.oracle import Batch, dense_oracle, random_batch
+from tests.ops.oracle import Batch, dense_oracle, nan_outside_real_slots, random_batch
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 IN_PROCESS = HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
@@ -189,19 +189,6 @@ def test_prefill_tiles_are_built_once_per_step(monkeypatch):
     first = run(b, block_m=16)
     torch.testing.assert_close(run(b, block_m=16), first)
     assert len(built) == 1
-
-
-def nan_outside_real_slots(b: Batch) -> Batch:
-    """Poison every slot no sequence owns as a real key (pads, unused blocks) with NaN."""
-    m = b.meta
-    real = torch.zeros(b.kv_cache.shape[1:3], dtype=torch.bool)
-    for s in range(m.num_seqs):
-        for j in range(int(m.num_blocks[s])):
-            blk = int(m.block_tables[s, j])
-            real[blk, int(m.block_valid_start[s, j]) : int(m.block_valid_end[s, j])] = True
-    cache = b.kv_cache.clone()
-    cache[:, ~real] = float("nan")
-    return replace(b, kv_cache=cache)
 
 
 @interpreted
