@@ -97,6 +97,11 @@ class Case:
 
         # vLLM: [nb, Hkv, 2B, D] (K rows then V rows of a block), K rotated at write time.
         self.isa = _get_attn_isa(dtype, block, head)
+        if self.isa == "amx":
+            # Linux hands out AMX tile state only on request (arch_prctl XCOMP_PERM); without it
+            # the first tile instruction is SIGILL. vLLM's engine has it requested by the time
+            # attention runs; calling the op directly must ask first.
+            torch._C._cpu._init_amx()
         raw = torch.zeros(nb, kv_heads, 2 * block, head, dtype=dtype)
         self.key_cache, self.value_cache = raw.chunk(2, dim=2)
         rotated = _rotate(key.flatten(0, 1), pos.repeat(num_seqs), cos_sin)
