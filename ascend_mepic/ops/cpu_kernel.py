@@ -151,6 +151,14 @@ def load() -> bool:
     return ok
 
 
+def isa() -> str:
+    """What the loaded build's vector code was compiled for (``"unavailable"`` without one)."""
+    if not load():
+        return "unavailable"
+    op = getattr(torch.ops.ascend_mepic, "isa", None)
+    return str(op()) if op is not None else "unknown (a build without isa())"
+
+
 def available() -> bool:
     return load()
 

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <bit>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -688,6 +689,27 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
     write_rows<at::BFloat16, at::BFloat16>(k, v, kv_cache, sp, n);
 }
 
+// The instruction set this build's vector code was compiled for (what `bench kernels` reports
+// beside vLLM's): the hand-written tiles are AVX2; wider ISAs only reach the compiler's loops.
+std::string isa() {
+#if defined(__AMX_BF16__)
+  const char* widest = "amx_bf16";
+#elif defined(__AVX512BF16__)
+  const char* widest = "avx512_bf16";
+#elif defined(__AVX512F__)
+  const char* widest = "avx512f";
+#elif defined(__AVX2__)
+  const char* widest = "avx2";
+#else
+  const char* widest = "scalar";
+#endif
+#ifdef MEPIC_CPU_AVX2
+  return std::string("tiles avx2; compiler ") + widest;
+#else
+  return std::string("generic; compiler ") + widest;
+#endif
+}
+
 TORCH_LIBRARY(ascend_mepic, lib) {
   lib.def(
       "rope_paged_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, "
@@ -695,6 +717,7 @@ TORCH_LIBRARY(ascend_mepic, lib) {
       "Tensor block_first_pos, Tensor block_valid_start, Tensor block_valid_end, "
       "Tensor cos_sin_cache, bool is_neox, float scale, int num_splits) -> Tensor");
   lib.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  lib.def("isa() -> str", &isa);
 }
 
 TORCH_LIBRARY_IMPL(ascend_mepic, CPU, lib) {
