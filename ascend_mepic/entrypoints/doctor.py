@@ -319,35 +319,18 @@ def probe_versions(report: Report, on_npu: bool) -> None:
 
 
 def cpu_kernel_state() -> tuple[bool, str]:
-    """Whether the native CPU kernel can be loaded without compiling it, and why not.
+    """Whether the native CPU kernel is built for this source and environment, and loads.
 
-    ``cpu_kernel.load()`` builds the extension when its build is missing or was made for another
-    environment (another torch, another venv: the build folder is shared per torch version),
-    which takes half a minute; the doctor must stay fast, so it only loads a build that looks
-    current (the .so newer than the source and made against this torch's headers).
+    ``cpu_kernel.load()`` never compiles: it loads a stamped build or reports why there is none.
     """
     from ascend_mepic.ops import cpu_kernel
 
-    directory = cpu_kernel.build_dir()
-    so = directory / f"{cpu_kernel.EXT_NAME}.so"
-    rebuild = "run `python -m ascend_mepic.ops.cpu_kernel` to build it (~30 s)"
-    if not so.is_file():
-        return False, f"not built ({so} missing): {rebuild}"
-    if not cpu_kernel.SOURCE.is_file():
-        return False, f"{cpu_kernel.SOURCE} missing (install the repository editable)"
-    if so.stat().st_mtime < cpu_kernel.SOURCE.stat().st_mtime:
-        return False, f"the build is older than {cpu_kernel.SOURCE.name}: {rebuild}"
-    try:
-        from torch.utils.cpp_extension import include_paths
-
-        ninja = (directory / "build.ninja").read_text(encoding="utf-8")
-        if include_paths()[0] not in ninja:
-            return False, f"built for another environment (loading would rebuild it): {rebuild}"
-    except (OSError, IndexError, ImportError) as exc:
-        return False, f"cannot tell whether the build is current ({_error(exc)}): {rebuild}"
+    library, why = cpu_kernel.prebuilt()
+    if library is None:
+        return False, f"{why}: {cpu_kernel.BUILD_HINT} (~30 s)"
     if not cpu_kernel.available():
         return False, "the build did not load (see the error logged above)"
-    return True, f"built and loaded ({directory})"
+    return True, f"built and loaded ({library})"
 
 
 @contextlib.contextmanager

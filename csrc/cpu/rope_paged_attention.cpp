@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <bit>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -153,9 +154,10 @@ constexpr int64_t KEY_CHUNK = 64;
 // Scratch of one thread: rotated queries, a chunk of rotated keys and of values (row-major),
 // the chunk's scores.
 struct Scratch {
-  std::vector<float> q, qc, k, v, s;
+  std::vector<float> q, qc, k, kt, v, s;
   Scratch(int64_t rows, int64_t d)
-      : q(rows * d), qc(rows * d), k(KEY_CHUNK * d), v(KEY_CHUNK * d), s(rows * KEY_CHUNK) {}
+      : q(rows * d), qc(rows * d), k(KEY_CHUNK * d), kt(KEY_CHUNK * d), v(KEY_CHUNK * d),
+        s(rows * KEY_CHUNK) {}
 };
 
 // Score and P.V micro-kernels. Each works on a tile of ROWS rows (queries times the GQA group
@@ -328,6 +330,79 @@ inline void pv_tile(const float* p, const VT* v, int64_t v_stride, int64_t n, in
 }
 #endif
 
+#if defined(__AVX512F__) && defined(MEPIC_CPU_AVX2)
+#define MEPIC_CPU_AVX512 1
+static_assert(KEY_CHUNK == 64, "the AVX-512 score tile covers 64 keys as four 16-lane vectors");
+
+// kt[x][c] = k[c][x]: a chunk's rotated keys (n rows of d) as d rows of KEY_CHUNK, keys past n
+// zero, so that scores are outer products (a query element broadcast times 16 keys) with no
+// horizontal sums.
+inline void transpose_keys(const float* __restrict k, int64_t n, int64_t d,
+                           float* __restrict kt) {
+  for (int64_t x = 0; x < d; ++x) {
+    float* row = kt + x * KEY_CHUNK;
+    for (int64_t c = 0; c < n; ++c) row[c] = k[c * d + x];
+    for (int64_t c = n; c < KEY_CHUNK; ++c) row[c] = 0.f;
+  }
+}
+
+// s[r][c] = q[r] . k[c] for ROWS rows and all KEY_CHUNK keys, from the transposed chunk.
+inline void score_tile_t512(const float* __restrict q, const float* __restrict kt, int64_t d,
+                            float* __restrict s) {
+  __m512 acc[ROWS][4];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t x = 0; x < d; ++x) {
+    const float* kx = kt + x * KEY_CHUNK;
+    const __m512 k0 = _mm512_loadu_ps(kx), k1 = _mm512_loadu_ps(kx + 16),
+                 k2 = _mm512_loadu_ps(kx + 32), k3 = _mm512_loadu_ps(kx + 48);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 qr = _mm512_set1_ps(q[r * d + x]);
+      acc[r][0] = _mm512_fmadd_ps(qr, k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(qr, k1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(qr, k2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(qr, k3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(s + r * KEY_CHUNK + 16 * j, acc[r][j]);
+}
+
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const at::BFloat16* x) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// pv_slice with 16-lane vectors: W x 16 head elements from x0, ROWS rows, keys [0, n).
+template <int W, typename VT>
+inline void pv_slice512(const float* __restrict p, const VT* __restrict v, int64_t v_stride,
+                        int64_t n, int64_t d, int64_t x0, float* __restrict acc_rows) {
+  __m512 acc[ROWS][W];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < W; ++j) acc[r][j] = _mm512_loadu_ps(acc_rows + r * d + x0 + 16 * j);
+  for (int64_t c = 0; c < n; ++c) {
+    __m512 vv[W];
+    for (int j = 0; j < W; ++j) vv[j] = load16(v + c * v_stride + x0 + 16 * j);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r * KEY_CHUNK + c]);
+      for (int j = 0; j < W; ++j) acc[r][j] = _mm512_fmadd_ps(pr, vv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < W; ++j) _mm512_storeu_ps(acc_rows + r * d + x0 + 16 * j, acc[r][j]);
+}
+
+template <typename VT>
+inline void pv_tile512(const float* p, const VT* v, int64_t v_stride, int64_t n, int64_t d,
+                       float* acc_rows) {
+  int64_t x0 = 0;
+  for (; x0 + 64 <= d; x0 += 64) pv_slice512<4>(p, v, v_stride, n, d, x0, acc_rows);
+  for (; x0 + 16 <= d; x0 += 16) pv_slice512<1>(p, v, v_stride, n, d, x0, acc_rows);
+  for (; x0 < d; x0 += 8) pv_slice<1>(p, v, v_stride, n, d, x0, acc_rows);
+}
+#endif
+
 // Portable versions (any head size, any ISA the compiler vectorises for).
 inline void score_tile_generic(const float* __restrict q, const float* __restrict k, int64_t n,
                                int64_t d, float* __restrict s) {
@@ -412,7 +487,18 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
         for (int64_t c = 0; c < n; ++c)
           rotate_into(k_ptr + chunk_off + c * cs, kb + c * d, cs_chunk + c * cs_stride, d, neox);
         std::fill(kb + n * d, kb + n4 * d, 0.f);
+#ifdef MEPIC_CPU_AVX512
+        // Many row tiles (prefill): transposing the chunk once pays for itself.
+        const bool outer = tiled && padded >= 4 * ROWS;
+        if (outer) transpose_keys(kb, n, d, sc.kt.data());
+#endif
         for (int64_t r = 0; r < padded; r += ROWS) {
+#ifdef MEPIC_CPU_AVX512
+          if (outer) {
+            score_tile_t512(q + r * d, sc.kt.data(), d, s + r * KEY_CHUNK);
+            continue;
+          }
+#endif
 #ifdef MEPIC_CPU_AVX2
           if (tiled) {
             score_tile(q + r * d, kb, n4, d, s + r * KEY_CHUNK);
@@ -475,6 +561,12 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
         int64_t reach = 0;
         for (int64_t u = 0; u < ROWS; ++u) reach = std::max(reach, visible[r + u]);
         if (reach == 0) continue;
+#ifdef MEPIC_CPU_AVX512
+        if (tiled) {
+          pv_tile512(s + r * KEY_CHUNK, v_ptr + chunk_off, cs, reach, d, out_rows + r * d);
+          continue;
+        }
+#endif
 #ifdef MEPIC_CPU_AVX2
         if (tiled) {
           pv_tile(s + r * KEY_CHUNK, v_ptr + chunk_off, cs, reach, d, out_rows + r * d);
@@ -688,6 +780,27 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
     write_rows<at::BFloat16, at::BFloat16>(k, v, kv_cache, sp, n);
 }
 
+// The instruction set this build's vector code was compiled for (what `bench kernels` reports
+// beside vLLM's): the hand-written tiles are AVX2; wider ISAs only reach the compiler's loops.
+std::string isa() {
+#if defined(__AMX_BF16__)
+  const char* widest = "amx_bf16";
+#elif defined(__AVX512BF16__)
+  const char* widest = "avx512_bf16";
+#elif defined(__AVX512F__)
+  const char* widest = "avx512f";
+#elif defined(__AVX2__)
+  const char* widest = "avx2";
+#else
+  const char* widest = "scalar";
+#endif
+#ifdef MEPIC_CPU_AVX2
+  return std::string("tiles avx2; compiler ") + widest;
+#else
+  return std::string("generic; compiler ") + widest;
+#endif
+}
+
 TORCH_LIBRARY(ascend_mepic, lib) {
   lib.def(
       "rope_paged_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, "
@@ -695,6 +808,7 @@ TORCH_LIBRARY(ascend_mepic, lib) {
       "Tensor block_first_pos, Tensor block_valid_start, Tensor block_valid_end, "
       "Tensor cos_sin_cache, bool is_neox, float scale, int num_splits) -> Tensor");
   lib.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  lib.def("isa() -> str", &isa);
 }
 
 TORCH_LIBRARY_IMPL(ascend_mepic, CPU, lib) {

@@ -97,6 +97,11 @@ class Case:
 
         # vLLM: [nb, Hkv, 2B, D] (K rows then V rows of a block), K rotated at write time.
         self.isa = _get_attn_isa(dtype, block, head)
+        if self.isa == "amx":
+            # Linux hands out AMX tile state only on request (arch_prctl XCOMP_PERM); without it
+            # the first tile instruction is SIGILL. vLLM's engine has it requested by the time
+            # attention runs; calling the op directly must ask first.
+            torch._C._cpu._init_amx()
         raw = torch.zeros(nb, kv_heads, 2 * block, head, dtype=dtype)
         self.key_cache, self.value_cache = raw.chunk(2, dim=2)
         rotated = _rotate(key.flatten(0, 1), pos.repeat(num_seqs), cos_sin)
@@ -191,6 +196,7 @@ def run(
                 "reference_s": reference_s,
                 "max_abs_diff": diff,
                 "vllm_isa": case.isa,
+                "mepic_isa": cpu_kernel.isa(),
                 "sequences": seqs,
                 "queries_per_sequence": queries,
             }
@@ -213,7 +219,68 @@ def run(
     }
 
 
+# The issue-31 matrix: SmolLM2-135M's attention and the 7B models' (32 query / 8 KV heads, 128).
+MATRIX_SHAPES = ((9, 3, 64), (32, 8, 128))
+MATRIX_CONTEXTS = (2048, 8192)
+
+
+def matrix(
+    block: int, threads: int | None, repeats: int, dtypes: tuple[str, ...]
+) -> dict[str, Any]:
+    """``run`` over ``MATRIX_SHAPES`` x ``MATRIX_CONTEXTS`` (no reference timing), one report."""
+    reports = []
+    for heads, kv_heads, head in MATRIX_SHAPES:
+        for context in MATRIX_CONTEXTS:
+            shape = {"heads": heads, "kv_heads": kv_heads, "head": head, "context": context}
+            reports.append(
+                run(
+                    block=block,
+                    dtypes=dtypes,
+                    threads=threads,
+                    repeats=repeats,
+                    with_reference=False,
+                    **shape,
+                )  # fmt: skip
+            )
+    rows = [
+        {
+            "heads": f"{r['shapes']['heads']}/{r['shapes']['kv_heads']}",
+            "head_size": r["shapes"]["head_size"],
+            "context": r["shapes"]["context"],
+            "case": k,
+            "ratio": v["ratio"],
+            "mepic_isa": v["mepic_isa"],
+            "vllm_isa": v["vllm_isa"],
+        }  # fmt: skip
+        for r in reports
+        for k, v in r["results"].items()
+    ]
+    return {"rows": rows, "reports": reports, "note": reports[0]["note"]}
+
+
+def matrix_table(report: dict[str, Any]) -> str:
+    lines = [
+        "| heads | head | context | case | MEPIC / vLLM | mepic_isa | vllm_isa |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['heads']} | {r['head_size']} | {r['context']} | {r['case']} | "
+            f"{r['ratio']:.2f}x | {r['mepic_isa']} | {r['vllm_isa']} |"
+        )
+    return "\n".join(lines)
+
+
 def cmd_kernels(args: argparse.Namespace) -> int:
+    from ascend_mepic.entrypoints.streams import data_stream
+
+    if args.matrix:
+        report = matrix(args.block_size, args.threads, args.repeats, tuple(args.dtypes))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        data_stream().write(matrix_table(report) + "\n")
+        return 0
     report = run(
         context=args.context,
         batch=args.batch,
@@ -230,8 +297,6 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(text + "\n", encoding="utf-8")
-    from ascend_mepic.entrypoints.streams import data_stream
-
     data_stream().write(text + "\n")
     return 0
 
@@ -251,5 +316,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--no-reference", action="store_true", help="skip timing the torch reference (slow)"
+    )
+    p.add_argument(
+        "--matrix",
+        action="store_true",
+        help="heads 9/3 x 64 and 32/8 x 128 at 2k and 8k context; prints a table (--json: all)",
     )
     p.set_defaults(func=cmd_kernels)

@@ -1,0 +1,101 @@
+"""The native CPU kernel is compiled at set-up only; the serving path loads it or falls back.
+
+Before, the first attention forward built it through torch's extension loader: engines waited
+on its build lock, forever when a killed build had left the lock behind. Each check runs in a
+fresh process with its own ``ASCEND_MEPIC_EXT_DIR`` (the kernel loads once per process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ascend_mepic.ops import cpu_kernel
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = """
+import json, time, torch
+from ascend_mepic.ops import cpu_kernel, select_impl
+start = time.perf_counter()
+ok = cpu_kernel.load()
+print(json.dumps({"ok": ok, "seconds": time.perf_counter() - start,
+                  "impl": select_impl(torch.device("cpu"))}))
+"""
+
+
+def _run(code: str, ext_dir: Path, timeout: int = 120) -> tuple[dict, str]:
+    env = dict(os.environ, ASCEND_MEPIC_EXT_DIR=str(ext_dir))
+    env.pop("ASCEND_MEPIC_ATTN_IMPL", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def _folder_in(ext_dir: Path) -> Path:
+    return ext_dir / cpu_kernel.build_dir().name
+
+
+@pytest.fixture
+def built_copy(tmp_path) -> Path:
+    """A copy of this environment's build in a private extension folder."""
+    library, why = cpu_kernel.prebuilt()
+    if library is None:
+        pytest.skip(f"the kernel is not built here ({why}); make setup builds it")
+    shutil.copytree(library.parent, _folder_in(tmp_path), symlinks=True)
+    return tmp_path
+
+
+def test_without_a_build_the_serving_path_falls_back_at_once(tmp_path):
+    folder = _folder_in(tmp_path)
+    folder.mkdir(parents=True)
+    (folder / "lock").write_text("")  # what a killed torch build leaves: it used to hang here
+    got, log = _run(PROBE, tmp_path)
+    assert got == {"ok": False, "seconds": got["seconds"], "impl": "reference"}
+    assert got["seconds"] < 5, got
+    assert (
+        "not built for this environment" in log and "python -m ascend_mepic.ops.cpu_kernel" in log
+    )
+    assert not list(folder.glob("*.so"))  # nothing was compiled
+
+
+def test_a_stale_torch_lock_does_not_stop_loading_a_build(built_copy):
+    (_folder_in(built_copy) / "lock").write_text("")
+    got, _ = _run(PROBE, built_copy)
+    assert got["ok"] and got["impl"] == "cpu" and got["seconds"] < 5, got
+
+
+def test_a_build_of_another_source_is_not_loaded(built_copy):
+    stamp = _folder_in(built_copy) / cpu_kernel.STAMP
+    data = json.loads(stamp.read_text())
+    stamp.write_text(json.dumps({**data, "source_sha256": "0" * 64}))
+    got, log = _run(PROBE, built_copy)
+    assert not got["ok"] and got["impl"] == "reference" and "stale" in log
+
+
+def test_build_clears_a_lock_left_by_a_killed_build(built_copy):
+    folder = _folder_in(built_copy)
+    (folder / "lock").write_text("")
+    (folder / cpu_kernel.STAMP).unlink()
+    start = time.perf_counter()
+    code = 'from ascend_mepic.ops import cpu_kernel; print(\'{"lib": "%s"}\' % cpu_kernel.build())'
+    got, log = _run(code, built_copy, timeout=300)
+    assert Path(got["lib"]).parent == folder and not (folder / "lock").exists()
+    assert "left by an interrupted build" in log
+    assert cpu_kernel.STAMP in os.listdir(folder), time.perf_counter() - start
+
+
+def test_each_environment_gets_its_own_build_folder(monkeypatch):
+    here = cpu_kernel.build_dir()
+    monkeypatch.setattr(sys, "prefix", "/elsewhere/.venv-ascend")
+    assert cpu_kernel.build_dir() != here
+    assert cpu_kernel.build_dir().parent == here.parent
