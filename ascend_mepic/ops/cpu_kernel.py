@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +34,24 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "rope_paged_attention.cpp"
 EXT_NAME = "ascend_mepic_cpu"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-fno-math-errno")
+COMMON_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
+# One library per instruction set, best first, each with the CPU flags it needs. No
+# -march=native: a build runs on any CPU with its variant's flags, and `load()` picks the best
+# variant this CPU has at run time. AMX (bf16 tiles) is not a variant: the avx512 library holds
+# an AMX path compiled for it function by function, used only where the CPU has AMX and Linux
+# grants the tile state (checked in the kernel at its first call).
+VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "avx512": (
+        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+         "-mprefer-vector-width=512"),
+        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    ),
+    "avx2": (
+        ("-mavx2", "-mfma", "-mf16c", "-mprefer-vector-width=256"),
+        frozenset({"avx2", "fma", "f16c"}),
+    ),
+}  # fmt: skip
+ISA_ENV = "ASCEND_MEPIC_CPU_ISA"  # force a variant (tests run the avx2 one on AVX-512 CPUs)
 STAMP = "ascend-mepic-build.json"
 BUILD_HINT = "build it with `python -m ascend_mepic.ops.cpu_kernel` (`make setup` does)"
 
@@ -56,8 +74,37 @@ def fingerprint() -> dict[str, object]:
     return {
         "source_sha256": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
         "torch": torch.__version__,
-        "cflags": list(CFLAGS),
+        "cflags": {name: [*COMMON_CFLAGS, *flags] for name, (flags, _) in VARIANTS.items()},
     }
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux ``/proc/cpuinfo``; empty where unreadable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def choose_variant(flags: frozenset[str] | None = None) -> tuple[str | None, str]:
+    """The best variant this CPU runs (``ASCEND_MEPIC_CPU_ISA`` forces one), or None and why."""
+    flags = cpu_flags() if flags is None else flags
+    forced = os.environ.get(ISA_ENV)
+    if forced:
+        if forced not in VARIANTS:
+            return None, f"{ISA_ENV}={forced!r} is not one of {sorted(VARIANTS)}"
+        missing = VARIANTS[forced][1] - flags
+        if missing:
+            return None, f"{ISA_ENV}={forced} needs CPU flags this CPU lacks: {sorted(missing)}"
+        return forced, f"{forced} (forced by {ISA_ENV})"
+    for name, (_, needs) in VARIANTS.items():
+        if needs <= flags:
+            return name, name
+    return None, f"this CPU has none of the kernel's instruction sets ({sorted(VARIANTS)})"
 
 
 def prebuilt() -> tuple[Path | None, str]:
@@ -73,10 +120,16 @@ def prebuilt() -> tuple[Path | None, str]:
         return None, f"unreadable build stamp {directory / STAMP} ({exc})"
     if {k: stamp.get(k) for k in fingerprint()} != fingerprint():
         return None, f"the build in {directory} is stale (another source, torch or flags)"
-    library = directory / str(stamp.get("library", ""))
+    variant, why = choose_variant()
+    if variant is None:
+        return None, why
+    name = (stamp.get("libraries") or {}).get(variant)
+    if not name:
+        return None, f"the build in {directory} has no {variant} library"
+    library = directory / str(name)
     if not library.is_file():
         return None, f"{library} is missing"
-    return library, f"built ({library})"
+    return library, f"built ({library}, {why})"
 
 
 @contextlib.contextmanager
@@ -86,8 +139,7 @@ def _build_lock(directory: Path) -> Iterator[None]:
     with open(directory / ".ascend-mepic-build.flock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            stale = directory / "lock"
-            if stale.exists():
+            for stale in [p for p in (directory / "lock", *directory.glob("*/lock")) if p.exists()]:
                 logger.warning("removing %s, left by an interrupted build", stale)
                 stale.unlink(missing_ok=True)
             yield
@@ -95,33 +147,62 @@ def _build_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _compile_command(variant: str, output: Path) -> list[str]:
+    """One compiler call building a variant's library (no Python module, no ninja)."""
+    from torch.utils import cpp_extension
+
+    flags, _ = VARIANTS[variant]
+    abi = int(torch.compiled_with_cxx11_abi())
+    includes = [arg for path in cpp_extension.include_paths() for arg in ("-isystem", path)]
+    libs = [f"-L{path}" for path in cpp_extension.library_paths()]
+    return [
+        os.environ.get("CXX", "c++"), "-shared", "-fPIC", "-std=c++20", *COMMON_CFLAGS, *flags,
+        f"-DMEPIC_VARIANT={variant}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
+        str(SOURCE), *libs, "-lc10", "-ltorch_cpu", "-o", str(output),
+    ]  # fmt: skip
+
+
 def build(verbose: bool = False) -> Path:
-    """Compile the kernel into ``build_dir()`` and stamp it (raises on failure). For set-up
-    (``make setup``, ``python -m ascend_mepic.ops.cpu_kernel``), never the serving path."""
+    """Compile every variant into ``build_dir()`` and stamp them (raises on failure); returns the
+    library this CPU loads. For set-up (``make setup``, ``python -m ascend_mepic.ops.cpu_kernel``),
+    never the serving path. Every variant is built wherever the compiler can (the variants
+    compile side by side), so a build folder shared by machines serves each its best variant.
+    Nothing is loaded while building: two variants register the same ops."""
     if not SOURCE.is_file():
         raise FileNotFoundError(f"{SOURCE} is missing (install the repository editable)")
-    from torch.utils.cpp_extension import load as load_extension
-
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     with _build_lock(directory):
         (directory / STAMP).unlink(missing_ok=True)
-        load_extension(
-            name=EXT_NAME,
-            sources=[str(SOURCE)],
-            extra_cflags=list(CFLAGS),
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=verbose,
-        )
-        libraries = sorted(directory.glob(f"{EXT_NAME}*.so"), key=lambda p: p.stat().st_mtime)
-        if not libraries:
-            raise FileNotFoundError(f"the build left no {EXT_NAME}*.so in {directory}")
-        stamp = {**fingerprint(), "library": libraries[-1].name}
+        jobs: dict[str, tuple[subprocess.Popen[str], Path]] = {}
+        for variant in VARIANTS:
+            output = directory / f"{EXT_NAME}_{variant}.so"
+            partial = output.with_name(f"{output.name}.{os.getpid()}.tmp")
+            command = _compile_command(variant, partial)
+            if verbose:
+                print(" ".join(command), file=sys.stderr)
+            process = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            jobs[variant] = (process, partial)
+        failures = []
+        for variant, (process, partial) in jobs.items():
+            log, _ = process.communicate()
+            if process.returncode != 0:
+                failures.append(f"{variant}: {log[-4000:]}")
+                partial.unlink(missing_ok=True)
+            else:
+                os.replace(partial, directory / f"{EXT_NAME}_{variant}.so")
+        if failures:
+            raise RuntimeError("the CPU kernel did not compile:\n" + "\n".join(failures))
+        stamp = {**fingerprint(), "libraries": {v: f"{EXT_NAME}_{v}.so" for v in VARIANTS}}
         tmp = directory / f"{STAMP}.{os.getpid()}"
         tmp.write_text(json.dumps(stamp, indent=1), encoding="utf-8")
         os.replace(tmp, directory / STAMP)
-    return libraries[-1]
+    library, why = prebuilt()
+    if library is None:
+        raise RuntimeError(f"built, but this CPU loads none of it: {why}")
+    return library
 
 
 def load() -> bool:
@@ -152,11 +233,19 @@ def load() -> bool:
 
 
 def isa() -> str:
-    """What the loaded build's vector code was compiled for (``"unavailable"`` without one)."""
+    """The paths the loaded kernel takes on this CPU (``"unavailable"`` without one), such as
+    ``"avx512+amx"``: the variant loaded, and AMX where bf16 prefill uses it."""
     if not load():
         return "unavailable"
-    op = getattr(torch.ops.ascend_mepic, "isa", None)
-    return str(op()) if op is not None else "unknown (a build without isa())"
+    return str(torch.ops.ascend_mepic.isa())
+
+
+def set_amx(enabled: bool) -> bool:
+    """Allow or forbid the AMX path (tests and benchmarks compare both); returns whether AMX is
+    in use now (False where the CPU, the build or Linux does not offer it)."""
+    if not load():
+        return False
+    return bool(torch.ops.ascend_mepic.set_amx(enabled))
 
 
 def available() -> bool:

@@ -19,9 +19,10 @@
 // (rows Hkv * D apart) the same kernel was a third slower beyond L3, and software prefetch
 // did not recover it; with contiguous rows prefetch gained nothing, so there is none.
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -35,6 +36,13 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define MEPIC_CPU_AMX 1
+#endif
+#include <atomic>
 
 namespace {
 
@@ -403,6 +411,250 @@ inline void pv_tile512(const float* p, const VT* v, int64_t v_stride, int64_t n,
 }
 #endif
 
+
+#if defined(MEPIC_CPU_AMX) && defined(MEPIC_CPU_AVX512)
+// ---------------------------------------------------------------------------------------------
+// AMX path (bfloat16 query and cache, query tiles of many rows: prefill and chunked prefill).
+//
+// AMX multiplies 16x32 bfloat16 tiles into 16x16 float32 tiles, an order of magnitude more
+// work per instruction than AVX-512, but its B operand must be in "VNNI" order (pairs along
+// the reduced dimension interleaved). Un-rotated K cannot go to the tiles as it is, so each
+// sequence's visible keys are rotated once per call, per KV head, at their logical positions,
+// and packed with its values into tile order (pack_amx); every query tile of the sequence then
+// reads the packed copy (attend_amx). Rotation stays at read: nothing rotated is written to
+// the cache, and the copy lives for one call. Scores S = Q K^T and P V run on the tiles; the
+// online softmax between them in AVX-512, on float32, with P rounded to bfloat16 for P V (what
+// the reference's bfloat16 SDPA does too).
+#define MEPIC_AMX_FN __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+
+constexpr int64_t AMX_KEYS = 64;  // keys per step: four 16-key score tiles, two 32-key P V steps
+
+std::atomic<int> g_amx_state{-1};  // -1 unknown, 0 unavailable or off, 1 on
+bool g_amx_allowed = true;
+
+// The CPU has AMX-BF16, AMX-TILE and AVX512-BF16, and Linux grants this process the tile
+// state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA; without it the first tile instruction
+// raises SIGILL).
+bool amx_supported() {
+  unsigned a, b, c, dx;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &dx)) return false;
+  const bool tiles = (dx >> 22 & 1) && (dx >> 24 & 1);  // AMX-BF16, AMX-TILE
+  if (!tiles || !__get_cpuid_count(7, 1, &a, &b, &c, &dx)) return false;
+  if (!(a >> 5 & 1)) return false;  // AVX512-BF16
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+bool amx_enabled() {
+  int state = g_amx_state.load(std::memory_order_relaxed);
+  if (state < 0) {
+    state = g_amx_allowed && amx_supported() ? 1 : 0;
+    g_amx_state.store(state);
+  }
+  return state == 1;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+MEPIC_AMX_FN inline void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+MEPIC_AMX_FN inline void amx_release() { _tile_release(); }
+
+inline uint16_t bf16_bits(float x) { return c10::BFloat16(x).x; }
+
+// One sequence's keys for one KV head, rotated and in tile order, with its values.
+struct AmxPack {
+  const int32_t* key_index;  // layout index of each packed key (ascending)
+  int64_t keys;              // visible keys packed
+  const uint16_t* k;         // [keys/16][d/32] tiles of 16 rows (pairs of dims) x 16 keys x 2
+  const uint16_t* v;         // [keys/32][d/16] tiles of 16 rows (pairs of keys) x 16 dims x 2
+};
+
+// Packs keys [0, n) of the sequence's layout (entries' visible ranges in order): K rotated at
+// its position, rounded to bfloat16, as AMX B tiles for Q K^T; V as B tiles for P V. Buffers
+// hold n rounded up to AMX_KEYS keys and are zero beyond n.
+template <typename KT>
+void pack_amx(const KT* k_ptr, const KT* v_ptr, int64_t cb, int64_t cs, int64_t ch, int64_t seq,
+              int64_t head, const Meta& m, const float* cos_sin, int64_t cs_stride, bool neox,
+              int64_t d, uint16_t* kp, uint16_t* vp, float* row) {
+  const int64_t meta_row = seq * m.table_stride;
+  uint32_t* kp32 = reinterpret_cast<uint32_t*>(kp);
+  const int64_t dk = d / 32, dv = d / 16;
+  int64_t kk = 0;
+  for (int32_t j = 0; j < m.nblocks[seq]; ++j) {
+    const int32_t v0 = m.vstart[meta_row + j], v1 = m.vend[meta_row + j];
+    const int64_t blk = m.tables[meta_row + j];
+    const int32_t first = m.first[meta_row + j];
+    for (int32_t c = v0; c < v1; ++c, ++kk) {
+      const int64_t off = blk * cb + c * cs + head * ch;
+      rotate_into(k_ptr + off, row, cos_sin + static_cast<int64_t>(first + c - v0) * cs_stride,
+                  d, neox);
+      uint32_t* kt = kp32 + (kk / 16) * dk * 256 + kk % 16;
+      for (int64_t i = 0; i < d / 2; ++i)
+        kt[(i / 16) * 256 + (i % 16) * 16] =
+            bf16_bits(row[2 * i]) | static_cast<uint32_t>(bf16_bits(row[2 * i + 1])) << 16;
+      const KT* vrow = v_ptr + off;
+      uint16_t* vt = vp + (kk / 32) * dv * 512 + ((kk % 32) / 2) * 32 + kk % 2;
+      for (int64_t x = 0; x < d; ++x) {
+        uint16_t bits;
+        if constexpr (std::is_same_v<KT, at::BFloat16>)
+          bits = vrow[x].x;
+        else
+          bits = bf16_bits(vrow[x]);
+        vt[(x / 16) * 512 + 2 * (x % 16)] = bits;
+      }
+    }
+  }
+}
+
+// exp(x) for sixteen x <= 0 (exp_nonpositive's method; scalef applies 2^i).
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
+                                 _mm512_set1_ps(1.4426950408889634f));
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(0.00015404f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00133336f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00961813f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550411f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022652f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, fi);
+}
+
+// One work item on the tiles: rows (queries x GQA group) in tiles of 16 over the packed keys
+// each row can see (layout order, causal), AMX_KEYS at a time. Leaves unnormalised outputs,
+// maxima and sums in out_rows / row_max / row_sum like attend().
+template <typename QT>
+MEPIC_AMX_FN void attend_amx(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1,
+                             const AmxPack& pk, const Meta& m, const float* cos_sin,
+                             int64_t cs_stride, bool neox, float scale, int64_t group, int64_t d,
+                             Scratch& sc, float* out_rows, float* row_max, float* row_sum) {
+  const int64_t nq = w.q_end - w.q_begin;
+  const int64_t rows = nq * group;
+  const int64_t padded = (rows + 15) / 16 * 16;
+  // Scratch reuse: q holds the bfloat16 query rows, s the scores, k the bfloat16 P tile.
+  uint16_t* qb = reinterpret_cast<uint16_t*>(sc.q.data());
+  float* s = sc.s.data();
+  uint16_t* pb = reinterpret_cast<uint16_t*>(sc.k.data());
+  int32_t* vis = reinterpret_cast<int32_t*>(sc.kt.data());
+  float* row = sc.qc.data();
+  int64_t reach = 0;
+  for (int64_t r = 0; r < padded; ++r) {
+    uint16_t* dst = qb + r * d;
+    if (r >= rows) {
+      std::fill(dst, dst + d, 0);
+      vis[r] = 0;
+      continue;
+    }
+    const int64_t t = w.q_begin + r / group;
+    rotate_into(q_ptr + t * qs0 + (w.kv_head * group + r % group) * qs1, row,
+                cos_sin + static_cast<int64_t>(m.q_pos[t]) * cs_stride, d, neox);
+    for (int64_t x = 0; x < d; ++x) dst[x] = bf16_bits(row[x] * scale);
+    vis[r] = static_cast<int32_t>(
+        std::upper_bound(pk.key_index, pk.key_index + pk.keys, m.q_idx[t]) - pk.key_index);
+    reach = std::max<int64_t>(reach, vis[r]);
+  }
+  std::fill(out_rows, out_rows + padded * d, 0.f);
+  std::fill(row_max, row_max + padded, NEG_INF);
+  std::fill(row_sum, row_sum + padded, 0.f);
+  const int64_t dk = d / 32, dv = d / 16;
+  const int64_t q_stride = d * 2, o_stride = d * 4;
+  amx_configure();
+  for (int64_t k0 = 0; k0 < reach; k0 += AMX_KEYS) {
+    const uint16_t* kt = pk.k + (k0 / 16) * dk * 512;
+    const uint16_t* vt = pk.v + (k0 / 32) * dv * 512;
+    for (int64_t r0 = 0; r0 < padded; r0 += 16) {
+      if (vis[std::min<int64_t>(r0 + 15, rows - 1)] <= k0) continue;  // vis grows with r
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t x = 0; x < dk; ++x) {
+        _tile_loadd(4, qb + r0 * d + 32 * x, q_stride);
+        _tile_loadd(5, kt + (0 * dk + x) * 512, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, kt + (1 * dk + x) * 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, kt + (2 * dk + x) * 512, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, kt + (3 * dk + x) * 512, 64);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+      _tile_stored(0, s, AMX_KEYS * 4);
+      _tile_stored(1, s + 16, AMX_KEYS * 4);
+      _tile_stored(2, s + 32, AMX_KEYS * 4);
+      _tile_stored(3, s + 48, AMX_KEYS * 4);
+      // Online softmax, one row at a time; keys a row cannot see get P = 0.
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t r = r0 + i;
+        uint16_t* prow = pb + i * AMX_KEYS;
+        const int64_t v = std::min<int64_t>(vis[r] - k0, AMX_KEYS);
+        if (v <= 0) {
+          _mm512_storeu_si512(prow, _mm512_setzero_si512());
+          _mm512_storeu_si512(prow + 32, _mm512_setzero_si512());
+          continue;
+        }
+        const float* sr = s + i * AMX_KEYS;
+        __m512 x[4];
+        __mmask16 mk[4];
+        __m512 mxv = _mm512_set1_ps(NEG_INF);
+        for (int j = 0; j < 4; ++j) {
+          const int64_t lanes = std::clamp<int64_t>(v - 16 * j, 0, 16);
+          mk[j] = static_cast<__mmask16>((1u << lanes) - 1u);
+          x[j] = _mm512_mask_loadu_ps(_mm512_set1_ps(NEG_INF), mk[j], sr + 16 * j);
+          mxv = _mm512_max_ps(mxv, x[j]);
+        }
+        const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(mxv));
+        const float alpha = std::exp(row_max[r] - new_max);
+        if (alpha != 1.f) {
+          float* o = out_rows + r * d;
+          const __m512 a = _mm512_set1_ps(alpha);
+          for (int64_t y = 0; y < d; y += 16)
+            _mm512_storeu_ps(o + y, _mm512_mul_ps(_mm512_loadu_ps(o + y), a));
+        }
+        const __m512 nm = _mm512_set1_ps(new_max);
+        __m512 total = _mm512_setzero_ps();
+        for (int j = 0; j < 4; ++j) {
+          x[j] = _mm512_maskz_mov_ps(mk[j], exp_nonpositive16(_mm512_sub_ps(x[j], nm)));
+          total = _mm512_add_ps(total, x[j]);
+        }
+        row_sum[r] = row_sum[r] * alpha + _mm512_reduce_add_ps(total);
+        row_max[r] = new_max;
+        _mm512_storeu_si512(prow, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
+        _mm512_storeu_si512(prow + 32, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
+      }
+      // O[rows, :] += P V over the step's 64 keys: two 32-key steps per 16-wide output tile.
+      _tile_loadd(1, pb, AMX_KEYS * 2);
+      _tile_loadd(2, pb + 32, AMX_KEYS * 2);
+      for (int64_t y = 0; y < dv; ++y) {
+        float* o = out_rows + r0 * d + 16 * y;
+        _tile_loadd(0, o, o_stride);
+        _tile_loadd(3, vt + y * 512, 64);
+        _tile_dpbf16ps(0, 1, 3);
+        _tile_loadd(4, vt + (dv + y) * 512, 64);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_stored(0, o, o_stride);
+      }
+    }
+  }
+}
+#endif
+
 // Portable versions (any head size, any ISA the compiler vectorises for).
 inline void score_tile_generic(const float* __restrict q, const float* __restrict k, int64_t n,
                                int64_t d, float* __restrict s) {
@@ -607,16 +859,85 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
     return work_cost(work[a], m) > work_cost(work[b], m);
   });
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n)));
+#if defined(MEPIC_CPU_AMX) && defined(MEPIC_CPU_AVX512)
+  // bfloat16 sequences with at least a tile of rows go to the AMX path, their keys packed
+  // first (one pack per sequence and KV head, shared by its query tiles).
+  std::vector<int64_t> pack_of(m.num_seqs, -1);  // sequence -> first pack
+  std::vector<int64_t> seqs;
+  std::vector<int64_t> pack_keys, pack_base;
+  std::vector<std::vector<int32_t>> key_index;
+  std::vector<uint16_t> packs;
+  if constexpr (std::is_same_v<QT, at::BFloat16> && std::is_same_v<KT, at::BFloat16>) {
+    if (d % 32 == 0 && amx_enabled()) {
+      int64_t total = 0;
+      for (int64_t sq = 0; sq < m.num_seqs; ++sq) {
+        if ((m.loc[sq + 1] - m.loc[sq]) * group < 16) continue;
+        const int64_t row0 = sq * m.table_stride;
+        std::vector<int32_t> index;
+        for (int32_t j = 0; j < m.nblocks[sq]; ++j)
+          for (int32_t c = m.vstart[row0 + j]; c < m.vend[row0 + j]; ++c)
+            index.push_back(static_cast<int32_t>(j * m.block_size + c));
+        const int64_t keys = static_cast<int64_t>(index.size());
+        const int64_t padded = (keys + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS;
+        pack_of[sq] = static_cast<int64_t>(pack_keys.size());
+        seqs.push_back(sq);
+        key_index.push_back(std::move(index));
+        for (int64_t h = 0; h < hkv; ++h) {
+          pack_keys.push_back(keys);
+          pack_base.push_back(total);
+          total += 2 * padded * d;
+        }
+      }
+      packs.assign(total, 0);
+      const int64_t jobs = static_cast<int64_t>(pack_keys.size());
+#pragma omp parallel num_threads(threads)
+      {
+        std::vector<float> row(d);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < jobs; ++job) {
+          const int64_t si = job / hkv, h = job % hkv;
+          const int64_t padded = (pack_keys[job] + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS;
+          uint16_t* kp = packs.data() + pack_base[job];
+          pack_amx(k_ptr, v_ptr, cb, cs, ch, seqs[si], h, m, cos_sin, cs_stride, neox, d, kp,
+                   kp + padded * d, row.data());
+        }
+      }
+    }
+  }
+  auto pack_for = [&](const WorkItem& w, AmxPack& pk) {
+    const int64_t first = pack_of[w.seq];
+    if (first < 0 || w.split >= 0) return false;
+    const int64_t job = first + w.kv_head;
+    const int64_t padded = (pack_keys[job] + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS;
+    const std::vector<int32_t>& index = key_index[job / hkv];
+    pk = {index.data(), pack_keys[job], packs.data() + pack_base[job],
+          packs.data() + pack_base[job] + padded * d};
+    return true;
+  };
+  const bool any_amx = !packs.empty();
+#endif
 #pragma omp parallel num_threads(threads)
   {
     Scratch scratch(max_rows, d);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t o = 0; o < n; ++o) {
       const int64_t i = order[o];
+#if defined(MEPIC_CPU_AMX) && defined(MEPIC_CPU_AVX512)
+      AmxPack pk;
+      if (any_amx && pack_for(work[i], pk)) {
+        attend_amx<QT>(work[i], q_ptr, qs0, qs1, pk, m, cos_sin, cs_stride, neox, scale, group,
+                       d, scratch, acc.data() + i * max_rows * d, mx.data() + i * max_rows,
+                       sm.data() + i * max_rows);
+        continue;
+      }
+#endif
       attend<QT, KT>(work[i], q_ptr, qs0, qs1, k_ptr, v_ptr, cb, cs, ch, m, cos_sin, cs_stride,
                      neox, scale, group, d, scratch, acc.data() + i * max_rows * d,
                      mx.data() + i * max_rows, sm.data() + i * max_rows);
     }
+#if defined(MEPIC_CPU_AMX) && defined(MEPIC_CPU_AVX512)
+    if (any_amx) amx_release();
+#endif
   }
   // Merge: items of one (sequence, KV head, tile) differ only by split and are adjacent.
   std::vector<float> row(d);
@@ -780,24 +1101,35 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
     write_rows<at::BFloat16, at::BFloat16>(k, v, kv_cache, sp, n);
 }
 
-// The instruction set this build's vector code was compiled for (what `bench kernels` reports
-// beside vLLM's): the hand-written tiles are AVX2; wider ISAs only reach the compiler's loops.
+#define MEPIC_STR2(x) #x
+#define MEPIC_STR(x) MEPIC_STR2(x)
+
+// The paths this library takes on this CPU (what `bench kernels` reports beside vLLM's): the
+// variant it was built as, "+amx" where bfloat16 prefill runs on AMX tiles.
 std::string isa() {
-#if defined(__AMX_BF16__)
-  const char* widest = "amx_bf16";
-#elif defined(__AVX512BF16__)
-  const char* widest = "avx512_bf16";
-#elif defined(__AVX512F__)
-  const char* widest = "avx512f";
-#elif defined(__AVX2__)
-  const char* widest = "avx2";
+#ifdef MEPIC_VARIANT
+  std::string name = MEPIC_STR(MEPIC_VARIANT);
 #else
-  const char* widest = "scalar";
+  std::string name = "unnamed build";
 #endif
-#ifdef MEPIC_CPU_AVX2
-  return std::string("tiles avx2; compiler ") + widest;
+#ifndef MEPIC_CPU_AVX2
+  name += " (generic loops)";
+#endif
+#if defined(MEPIC_CPU_AMX) && defined(MEPIC_CPU_AVX512)
+  if (amx_enabled()) name += "+amx";
+#endif
+  return name;
+}
+
+// Allows or forbids the AMX path; returns whether it is in use now.
+bool set_amx(bool enabled) {
+#if defined(MEPIC_CPU_AMX) && defined(MEPIC_CPU_AVX512)
+  g_amx_allowed = enabled;
+  g_amx_state.store(-1);
+  return amx_enabled();
 #else
-  return std::string("generic; compiler ") + widest;
+  (void)enabled;
+  return false;
 #endif
 }
 
@@ -809,6 +1141,7 @@ TORCH_LIBRARY(ascend_mepic, lib) {
       "Tensor cos_sin_cache, bool is_neox, float scale, int num_splits) -> Tensor");
   lib.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   lib.def("isa() -> str", &isa);
+  lib.def("set_amx(bool enabled) -> bool", &set_amx);
 }
 
 TORCH_LIBRARY_IMPL(ascend_mepic, CPU, lib) {
@@ -816,4 +1149,3 @@ TORCH_LIBRARY_IMPL(ascend_mepic, CPU, lib) {
   lib.impl("write_kv", &write_kv);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
