@@ -27,6 +27,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <new>
 #include <bit>
 #include <limits>
 #include <string>
@@ -47,6 +49,28 @@
 namespace {
 
 constexpr int64_t QUERY_TILE = 16;
+
+// Buffers on 64-byte (cache line) boundaries: AMX tile rows and 512-bit vectors that straddle
+// two lines load at half speed, and malloc's 16-byte alignment made timings vary by a third
+// from one process to the next.
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(std::size_t n) {
+    const std::size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, bytes);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, std::size_t) { std::free(p); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+};
+template <typename T>
+using Buffer = std::vector<T, LineAligned<T>>;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 template <typename T>
@@ -109,6 +133,27 @@ inline void axpy(float alpha, const float* __restrict x, float* __restrict y, in
   for (int64_t i = 0; i < d; ++i) y[i] += alpha * x[i];
 }
 
+// dst[x] = src[x] * scale for x < d, rounded to the output's dtype. The bfloat16 rounding
+// (nearest even, NaN kept) is written out so that it vectorises: c10's scalar conversion
+// per element cost as much as a whole AMX prefill's score tiles.
+inline void store_scaled(float* __restrict dst, const float* __restrict src, float scale,
+                         int64_t d) {
+#pragma omp simd
+  for (int64_t x = 0; x < d; ++x) dst[x] = src[x] * scale;
+}
+
+inline void store_scaled(at::BFloat16* __restrict dst, const float* __restrict src, float scale,
+                         int64_t d) {
+  uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t x = 0; x < d; ++x) {
+    const float f = src[x] * scale;
+    const uint32_t u = std::bit_cast<uint32_t>(f);
+    const uint16_t rounded = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    bits[x] = f != f ? static_cast<uint16_t>(0x7fc0) : rounded;
+  }
+}
+
 struct Meta {
   const int32_t* loc;
   const int32_t* q_pos;
@@ -161,11 +206,14 @@ constexpr int64_t KEY_CHUNK = 64;
 
 // Scratch of one thread: rotated queries, a chunk of rotated keys and of values (row-major),
 // the chunk's scores.
+constexpr int64_t AMX_STEP = 256;  // keys per softmax step of the AMX path
+
 struct Scratch {
-  std::vector<float> q, qc, k, kt, v, s;
+  Buffer<float> q, qc, k, kt, v, s, amx_s;
+  Buffer<uint16_t> amx_p;
   Scratch(int64_t rows, int64_t d)
       : q(rows * d), qc(rows * d), k(KEY_CHUNK * d), kt(KEY_CHUNK * d), v(KEY_CHUNK * d),
-        s(rows * KEY_CHUNK) {}
+        s(rows * KEY_CHUNK), amx_s(16 * AMX_STEP), amx_p(16 * AMX_STEP) {}
 };
 
 // Score and P.V micro-kernels. Each works on a tile of ROWS rows (queries times the GQA group
@@ -473,7 +521,24 @@ MEPIC_AMX_FN inline void amx_configure() {
 
 MEPIC_AMX_FN inline void amx_release() { _tile_release(); }
 
-inline uint16_t bf16_bits(float x) { return c10::BFloat16(x).x; }
+
+// dst[x] = bfloat16(src[x] * scale) for x < d (a multiple of 32), rounding to nearest even.
+MEPIC_AMX_FN inline void to_bf16(const float* src, float scale, int64_t d, uint16_t* dst) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t x = 0; x < d; x += 32) {
+    const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(src + x), sc);
+    const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(src + x + 16), sc);
+    _mm512_storeu_si512(dst + x, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// Sixteen bfloat16 elements of a value row.
+inline __m256i load_bf16x16(const at::BFloat16* x) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+}
+MEPIC_AMX_FN inline __m256i load_bf16x16(const float* x) {
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x));
+}
 
 // One sequence's keys for one KV head, rotated and in tile order, with its values.
 struct AmxPack {
@@ -487,12 +552,45 @@ struct AmxPack {
 // its position, rounded to bfloat16, as AMX B tiles for Q K^T; V as B tiles for P V. Buffers
 // hold n rounded up to AMX_KEYS keys and are zero beyond n.
 template <typename KT>
-void pack_amx(const KT* k_ptr, const KT* v_ptr, int64_t cb, int64_t cs, int64_t ch, int64_t seq,
-              int64_t head, const Meta& m, const float* cos_sin, int64_t cs_stride, bool neox,
-              int64_t d, uint16_t* kp, uint16_t* vp, float* row) {
+MEPIC_AMX_FN void pack_amx(const KT* k_ptr, const KT* v_ptr, int64_t cb, int64_t cs, int64_t ch,
+                           int64_t seq, int64_t head, const Meta& m, const float* cos_sin,
+                           int64_t cs_stride, bool neox, int64_t d, uint16_t* kp, uint16_t* vp,
+                           float* row) {
   const int64_t meta_row = seq * m.table_stride;
+  const int64_t dk = d / 32, dv = d / 16, words = d / 2;
+  // Rotated bfloat16 K rows of 16 keys (32-bit words: pairs of dims), then transposed into
+  // the tiles; V rows of a key pair interleaved element by element into tile rows.
+  std::vector<uint32_t> block(16 * words, 0);
+  int64_t keys = 0;
+  for (int32_t j = 0; j < m.nblocks[seq]; ++j)
+    keys += std::max(0, m.vend[meta_row + j] - m.vstart[meta_row + j]);
+  const int64_t padded = (keys + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS;
+  if (padded > 0) {  // the last AMX_KEYS keys' tiles: zero where no key is packed
+    std::fill(kp + (padded - AMX_KEYS) * d, kp + padded * d, 0);
+    std::fill(vp + (padded - AMX_KEYS) * d, vp + padded * d, 0);
+  }
+  const KT* pending = nullptr;  // V row of the even key of an unfinished pair
   uint32_t* kp32 = reinterpret_cast<uint32_t*>(kp);
-  const int64_t dk = d / 32, dv = d / 16;
+  auto flush = [&](int64_t kk) {  // keys [kk - kk % 16 ...) of the block are done
+    const int64_t b = (kk - 1) / 16;
+    uint32_t* tiles = kp32 + b * dk * 256;
+    for (int64_t x = 0; x < dk; ++x)
+      for (int64_t i = 0; i < 16; ++i)
+        for (int64_t c = 0; c < 16; ++c) tiles[x * 256 + i * 16 + c] = block[c * words + 16 * x + i];
+    std::fill(block.begin(), block.end(), 0u);
+  };
+  auto put_pair = [&](int64_t kk, const KT* a, const KT* b) {  // keys kk - 1 (a), kk (b)
+    uint16_t* tiles = vp + (kk / 32) * dv * 512 + ((kk % 32) / 2) * 32;
+    for (int64_t y = 0; y < dv; ++y) {
+      const __m256i ra = load_bf16x16(a + 16 * y);
+      const __m256i rb = b ? load_bf16x16(b + 16 * y) : _mm256_setzero_si256();
+      const __m256i lo = _mm256_unpacklo_epi16(ra, rb), hi = _mm256_unpackhi_epi16(ra, rb);
+      uint16_t* dst = tiles + y * 512;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute2x128_si256(lo, hi, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16),
+                          _mm256_permute2x128_si256(lo, hi, 0x31));
+    }
+  };
   int64_t kk = 0;
   for (int32_t j = 0; j < m.nblocks[seq]; ++j) {
     const int32_t v0 = m.vstart[meta_row + j], v1 = m.vend[meta_row + j];
@@ -502,22 +600,18 @@ void pack_amx(const KT* k_ptr, const KT* v_ptr, int64_t cb, int64_t cs, int64_t 
       const int64_t off = blk * cb + c * cs + head * ch;
       rotate_into(k_ptr + off, row, cos_sin + static_cast<int64_t>(first + c - v0) * cs_stride,
                   d, neox);
-      uint32_t* kt = kp32 + (kk / 16) * dk * 256 + kk % 16;
-      for (int64_t i = 0; i < d / 2; ++i)
-        kt[(i / 16) * 256 + (i % 16) * 16] =
-            bf16_bits(row[2 * i]) | static_cast<uint32_t>(bf16_bits(row[2 * i + 1])) << 16;
-      const KT* vrow = v_ptr + off;
-      uint16_t* vt = vp + (kk / 32) * dv * 512 + ((kk % 32) / 2) * 32 + kk % 2;
-      for (int64_t x = 0; x < d; ++x) {
-        uint16_t bits;
-        if constexpr (std::is_same_v<KT, at::BFloat16>)
-          bits = vrow[x].x;
-        else
-          bits = bf16_bits(vrow[x]);
-        vt[(x / 16) * 512 + 2 * (x % 16)] = bits;
+      to_bf16(row, 1.f, d, reinterpret_cast<uint16_t*>(block.data() + (kk % 16) * words));
+      if (kk % 16 == 15) flush(kk + 1);
+      if (kk % 2 == 0) {
+        pending = v_ptr + off;
+      } else {
+        put_pair(kk, pending, v_ptr + off);
+        pending = nullptr;
       }
     }
   }
+  if (kk % 16 != 0) flush(kk);
+  if (pending != nullptr) put_pair(kk, pending, nullptr);
 }
 
 // exp(x) for sixteen x <= 0 (exp_nonpositive's method; scalef applies 2^i).
@@ -536,6 +630,38 @@ inline __m512 exp_nonpositive16(__m512 x) {
   return _mm512_scalef_ps(p, fi);
 }
 
+// O tiles y .. y + NT - 1 (16 columns each) of 16 rows += P [16 x n] V [n keys, packed].
+template <int NT>
+MEPIC_AMX_FN inline void amx_pv(const uint16_t* pb, const uint16_t* v, int64_t k0, int64_t n,
+                                int64_t dv, int64_t y, float* o, int64_t o_stride) {
+  _tile_loadd(0, o + 16 * y, o_stride);
+  _tile_loadd(1, o + 16 * (y + 1), o_stride);
+  if constexpr (NT == 4) {
+    _tile_loadd(2, o + 16 * (y + 2), o_stride);
+    _tile_loadd(3, o + 16 * (y + 3), o_stride);
+  }
+  for (int64_t c = 0; c < n; c += 32) {
+    const uint16_t* vt = v + ((k0 + c) / 32) * dv * 512 + y * 512;
+    _tile_loadd(4, pb + c, AMX_STEP * 2);
+    _tile_loadd(5, vt, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, vt + 512, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    if constexpr (NT == 4) {
+      _tile_loadd(5, vt + 1024, 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, vt + 1536, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
+  _tile_stored(0, o + 16 * y, o_stride);
+  _tile_stored(1, o + 16 * (y + 1), o_stride);
+  if constexpr (NT == 4) {
+    _tile_stored(2, o + 16 * (y + 2), o_stride);
+    _tile_stored(3, o + 16 * (y + 3), o_stride);
+  }
+}
+
 // One work item on the tiles: rows (queries x GQA group) in tiles of 16 over the packed keys
 // each row can see (layout order, causal), AMX_KEYS at a time. Leaves unnormalised outputs,
 // maxima and sums in out_rows / row_max / row_sum like attend().
@@ -547,10 +673,8 @@ MEPIC_AMX_FN void attend_amx(const WorkItem& w, const QT* q_ptr, int64_t qs0, in
   const int64_t nq = w.q_end - w.q_begin;
   const int64_t rows = nq * group;
   const int64_t padded = (rows + 15) / 16 * 16;
-  // Scratch reuse: q holds the bfloat16 query rows, s the scores, k the bfloat16 P tile.
+  // Scratch reuse: q holds the bfloat16 query rows, kt the rows' visible key counts.
   uint16_t* qb = reinterpret_cast<uint16_t*>(sc.q.data());
-  float* s = sc.s.data();
-  uint16_t* pb = reinterpret_cast<uint16_t*>(sc.k.data());
   int32_t* vis = reinterpret_cast<int32_t*>(sc.kt.data());
   float* row = sc.qc.data();
   int64_t reach = 0;
@@ -564,7 +688,7 @@ MEPIC_AMX_FN void attend_amx(const WorkItem& w, const QT* q_ptr, int64_t qs0, in
     const int64_t t = w.q_begin + r / group;
     rotate_into(q_ptr + t * qs0 + (w.kv_head * group + r % group) * qs1, row,
                 cos_sin + static_cast<int64_t>(m.q_pos[t]) * cs_stride, d, neox);
-    for (int64_t x = 0; x < d; ++x) dst[x] = bf16_bits(row[x] * scale);
+    to_bf16(row, scale, d, dst);
     vis[r] = static_cast<int32_t>(
         std::upper_bound(pk.key_index, pk.key_index + pk.keys, m.q_idx[t]) - pk.key_index);
     reach = std::max<int64_t>(reach, vis[r]);
@@ -574,50 +698,52 @@ MEPIC_AMX_FN void attend_amx(const WorkItem& w, const QT* q_ptr, int64_t qs0, in
   std::fill(row_sum, row_sum + padded, 0.f);
   const int64_t dk = d / 32, dv = d / 16;
   const int64_t q_stride = d * 2, o_stride = d * 4;
+  float* s = sc.amx_s.data();
+  uint16_t* pb = sc.amx_p.data();
   amx_configure();
-  for (int64_t k0 = 0; k0 < reach; k0 += AMX_KEYS) {
-    const uint16_t* kt = pk.k + (k0 / 16) * dk * 512;
-    const uint16_t* vt = pk.v + (k0 / 32) * dv * 512;
+  // Steps of up to AMX_STEP keys: scores for the step (64 keys, four tiles, at a time), the
+  // softmax over the whole step, then P V with each output tile loaded and stored once.
+  for (int64_t k0 = 0; k0 < reach; k0 += AMX_STEP) {
+    const int64_t n = std::min<int64_t>(AMX_STEP, (reach - k0 + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS);
     for (int64_t r0 = 0; r0 < padded; r0 += 16) {
       if (vis[std::min<int64_t>(r0 + 15, rows - 1)] <= k0) continue;  // vis grows with r
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t x = 0; x < dk; ++x) {
-        _tile_loadd(4, qb + r0 * d + 32 * x, q_stride);
-        _tile_loadd(5, kt + (0 * dk + x) * 512, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, kt + (1 * dk + x) * 512, 64);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(5, kt + (2 * dk + x) * 512, 64);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(6, kt + (3 * dk + x) * 512, 64);
-        _tile_dpbf16ps(3, 4, 6);
+      for (int64_t c0 = 0; c0 < n; c0 += AMX_KEYS) {
+        const uint16_t* kt = pk.k + ((k0 + c0) / 16) * dk * 512;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t x = 0; x < dk; ++x) {
+          _tile_loadd(4, qb + r0 * d + 32 * x, q_stride);
+          _tile_loadd(5, kt + (0 * dk + x) * 512, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, kt + (1 * dk + x) * 512, 64);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(5, kt + (2 * dk + x) * 512, 64);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(6, kt + (3 * dk + x) * 512, 64);
+          _tile_dpbf16ps(3, 4, 6);
+        }
+        _tile_stored(0, s + c0, AMX_STEP * 4);
+        _tile_stored(1, s + c0 + 16, AMX_STEP * 4);
+        _tile_stored(2, s + c0 + 32, AMX_STEP * 4);
+        _tile_stored(3, s + c0 + 48, AMX_STEP * 4);
       }
-      _tile_stored(0, s, AMX_KEYS * 4);
-      _tile_stored(1, s + 16, AMX_KEYS * 4);
-      _tile_stored(2, s + 32, AMX_KEYS * 4);
-      _tile_stored(3, s + 48, AMX_KEYS * 4);
       // Online softmax, one row at a time; keys a row cannot see get P = 0.
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t r = r0 + i;
-        uint16_t* prow = pb + i * AMX_KEYS;
-        const int64_t v = std::min<int64_t>(vis[r] - k0, AMX_KEYS);
+        uint16_t* prow = pb + i * AMX_STEP;
+        const int64_t v = std::min<int64_t>(vis[r] - k0, n);
         if (v <= 0) {
-          _mm512_storeu_si512(prow, _mm512_setzero_si512());
-          _mm512_storeu_si512(prow + 32, _mm512_setzero_si512());
+          std::fill(prow, prow + n, 0);
           continue;
         }
-        const float* sr = s + i * AMX_KEYS;
-        __m512 x[4];
-        __mmask16 mk[4];
+        float* sr = s + i * AMX_STEP;
         __m512 mxv = _mm512_set1_ps(NEG_INF);
-        for (int j = 0; j < 4; ++j) {
-          const int64_t lanes = std::clamp<int64_t>(v - 16 * j, 0, 16);
-          mk[j] = static_cast<__mmask16>((1u << lanes) - 1u);
-          x[j] = _mm512_mask_loadu_ps(_mm512_set1_ps(NEG_INF), mk[j], sr + 16 * j);
-          mxv = _mm512_max_ps(mxv, x[j]);
+        for (int64_t c = 0; c < v; c += 16) {
+          const __mmask16 mk = static_cast<__mmask16>(
+              (1u << std::min<int64_t>(v - c, 16)) - 1u);
+          mxv = _mm512_max_ps(mxv, _mm512_mask_loadu_ps(mxv, mk, sr + c));
         }
         const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(mxv));
         const float alpha = std::exp(row_max[r] - new_max);
@@ -629,26 +755,28 @@ MEPIC_AMX_FN void attend_amx(const WorkItem& w, const QT* q_ptr, int64_t qs0, in
         }
         const __m512 nm = _mm512_set1_ps(new_max);
         __m512 total = _mm512_setzero_ps();
-        for (int j = 0; j < 4; ++j) {
-          x[j] = _mm512_maskz_mov_ps(mk[j], exp_nonpositive16(_mm512_sub_ps(x[j], nm)));
-          total = _mm512_add_ps(total, x[j]);
+        for (int64_t c = 0; c < n; c += 32) {
+          const __mmask16 m0 = static_cast<__mmask16>(
+              (1u << std::clamp<int64_t>(v - c, 0, 16)) - 1u);
+          const __mmask16 m1 = static_cast<__mmask16>(
+              (1u << std::clamp<int64_t>(v - c - 16, 0, 16)) - 1u);
+          const __m512 e0 = _mm512_maskz_mov_ps(
+              m0, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + c), nm)));
+          const __m512 e1 = _mm512_maskz_mov_ps(
+              m1, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + c + 16), nm)));
+          total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
+          _mm512_storeu_si512(prow + c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         }
         row_sum[r] = row_sum[r] * alpha + _mm512_reduce_add_ps(total);
         row_max[r] = new_max;
-        _mm512_storeu_si512(prow, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
-        _mm512_storeu_si512(prow + 32, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
       }
-      // O[rows, :] += P V over the step's 64 keys: two 32-key steps per 16-wide output tile.
-      _tile_loadd(1, pb, AMX_KEYS * 2);
-      _tile_loadd(2, pb + 32, AMX_KEYS * 2);
-      for (int64_t y = 0; y < dv; ++y) {
-        float* o = out_rows + r0 * d + 16 * y;
-        _tile_loadd(0, o, o_stride);
-        _tile_loadd(3, vt + y * 512, 64);
-        _tile_dpbf16ps(0, 1, 3);
-        _tile_loadd(4, vt + (dv + y) * 512, 64);
-        _tile_dpbf16ps(0, 2, 4);
-        _tile_stored(0, o, o_stride);
+      // O[rows, :] += P V over the step's keys, 32 at a time; four (or two) 16-wide output
+      // tiles at once, so that four accumulations are in flight (each waits on its previous).
+      for (int64_t y = 0; y < dv; y += 4) {
+        if (dv - y >= 4)
+          amx_pv<4>(pb, pk.v, k0, n, dv, y, out_rows + r0 * d, o_stride);
+        else
+          amx_pv<2>(pb, pk.v, k0, n, dv, y, out_rows + r0 * d, o_stride);
       }
     }
   }
@@ -850,7 +978,13 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
   const int64_t n = static_cast<int64_t>(work.size());
   const int64_t max_rows = (QUERY_TILE * group + ROWS - 1) / ROWS * ROWS;
   // Per work item: its rows' outputs (unnormalised), maxima and sums, merged below.
-  std::vector<float> acc(n * max_rows * d), mx(n * max_rows), sm(n * max_rows);
+  // Items of a split decode sequence keep their rows' unnormalised outputs, maxima and sums
+  // for the merge below; every other item writes its normalised rows itself.
+  std::vector<int64_t> slot(n, -1);
+  int64_t slots = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (work[i].split >= 0) slot[i] = slots++;
+  Buffer<float> acc(slots * max_rows * d), mx(slots * max_rows), sm(slots * max_rows);
   // Items run largest first and are handed out one at a time, so causal prefill tiles (whose
   // cost grows with their position) and uneven sequences spread evenly over the threads.
   std::vector<int64_t> order(n);
@@ -866,7 +1000,10 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
   std::vector<int64_t> seqs;
   std::vector<int64_t> pack_keys, pack_base;
   std::vector<std::vector<int32_t>> key_index;
-  std::vector<uint16_t> packs;
+  // Reused across calls (grown, never shrunk): a fresh 8 MB per call cost page faults.
+  static thread_local Buffer<uint16_t> packs;
+  uint16_t* pack_data = nullptr;  // packs is this thread's: OpenMP threads use the pointer
+  bool any_amx = false;
   if constexpr (std::is_same_v<QT, at::BFloat16> && std::is_same_v<KT, at::BFloat16>) {
     if (d % 32 == 0 && amx_enabled()) {
       int64_t total = 0;
@@ -888,8 +1025,10 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
           total += 2 * padded * d;
         }
       }
-      packs.assign(total, 0);
+      if (static_cast<int64_t>(packs.size()) < total) packs.resize(total);
+      pack_data = packs.data();
       const int64_t jobs = static_cast<int64_t>(pack_keys.size());
+      any_amx = jobs > 0;
 #pragma omp parallel num_threads(threads)
       {
         std::vector<float> row(d);
@@ -897,7 +1036,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
         for (int64_t job = 0; job < jobs; ++job) {
           const int64_t si = job / hkv, h = job % hkv;
           const int64_t padded = (pack_keys[job] + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS;
-          uint16_t* kp = packs.data() + pack_base[job];
+          uint16_t* kp = pack_data + pack_base[job];
           pack_amx(k_ptr, v_ptr, cb, cs, ch, seqs[si], h, m, cos_sin, cs_stride, neox, d, kp,
                    kp + padded * d, row.data());
         }
@@ -910,30 +1049,41 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
     const int64_t job = first + w.kv_head;
     const int64_t padded = (pack_keys[job] + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS;
     const std::vector<int32_t>& index = key_index[job / hkv];
-    pk = {index.data(), pack_keys[job], packs.data() + pack_base[job],
-          packs.data() + pack_base[job] + padded * d};
+    pk = {index.data(), pack_keys[job], pack_data + pack_base[job],
+          pack_data + pack_base[job] + padded * d};
     return true;
   };
-  const bool any_amx = !packs.empty();
 #endif
 #pragma omp parallel num_threads(threads)
   {
     Scratch scratch(max_rows, d);
+    Buffer<float> own(max_rows * d), own_mx(max_rows), own_sm(max_rows);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t o = 0; o < n; ++o) {
       const int64_t i = order[o];
+      const WorkItem& w = work[i];
+      const bool split = slot[i] >= 0;
+      float* rows_out = split ? acc.data() + slot[i] * max_rows * d : own.data();
+      float* rows_mx = split ? mx.data() + slot[i] * max_rows : own_mx.data();
+      float* rows_sm = split ? sm.data() + slot[i] * max_rows : own_sm.data();
 #if defined(MEPIC_CPU_AMX) && defined(MEPIC_CPU_AVX512)
       AmxPack pk;
-      if (any_amx && pack_for(work[i], pk)) {
-        attend_amx<QT>(work[i], q_ptr, qs0, qs1, pk, m, cos_sin, cs_stride, neox, scale, group,
-                       d, scratch, acc.data() + i * max_rows * d, mx.data() + i * max_rows,
-                       sm.data() + i * max_rows);
-        continue;
-      }
+      if (any_amx && pack_for(w, pk))
+        attend_amx<QT>(w, q_ptr, qs0, qs1, pk, m, cos_sin, cs_stride, neox, scale, group, d,
+                       scratch, rows_out, rows_mx, rows_sm);
+      else
 #endif
-      attend<QT, KT>(work[i], q_ptr, qs0, qs1, k_ptr, v_ptr, cb, cs, ch, m, cos_sin, cs_stride,
-                     neox, scale, group, d, scratch, acc.data() + i * max_rows * d,
-                     mx.data() + i * max_rows, sm.data() + i * max_rows);
+        attend<QT, KT>(w, q_ptr, qs0, qs1, k_ptr, v_ptr, cb, cs, ch, m, cos_sin, cs_stride,
+                       neox, scale, group, d, scratch, rows_out, rows_mx, rows_sm);
+      if (split) continue;
+      const int64_t rows = (w.q_end - w.q_begin) * group;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = rows_sm[r] > 0.f ? 1.f / rows_sm[r] : 0.f;  // no visible key: 0
+        const int64_t t = w.q_begin + r / group;
+        const int64_t head = static_cast<int64_t>(w.kv_head) * group + r % group;
+        QT* dst = o_ptr + t * os0 + head * os1;
+        store_scaled(dst, rows_out + r * d, inv, d);
+      }
     }
 #if defined(MEPIC_CPU_AMX) && defined(MEPIC_CPU_AVX512)
     if (any_amx) amx_release();
@@ -942,6 +1092,10 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
   // Merge: items of one (sequence, KV head, tile) differ only by split and are adjacent.
   std::vector<float> row(d);
   for (int64_t i = 0; i < n;) {
+    if (slot[i] < 0) {
+      ++i;
+      continue;
+    }
     int64_t j = i + 1;
     while (j < n && work[j].split > 0 && work[j].seq == work[i].seq &&
            work[j].kv_head == work[i].kv_head && work[j].q_begin == work[i].q_begin)
@@ -950,11 +1104,12 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
     const int64_t rows = (w.q_end - w.q_begin) * group;
     for (int64_t r = 0; r < rows; ++r) {
       float best = NEG_INF;
-      for (int64_t p = i; p < j; ++p) best = std::max(best, mx[p * max_rows + r]);
+      for (int64_t p = slot[i]; p < slot[i] + j - i; ++p)
+        best = std::max(best, mx[p * max_rows + r]);
       std::fill(row.begin(), row.end(), 0.f);
       float total = 0.f;
       if (best != NEG_INF) {
-        for (int64_t p = i; p < j; ++p) {
+        for (int64_t p = slot[i]; p < slot[i] + j - i; ++p) {
           const float m_p = mx[p * max_rows + r];
           if (m_p == NEG_INF) continue;
           const float wgt = std::exp(m_p - best);
@@ -966,7 +1121,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
       const int64_t t = w.q_begin + r / group;
       const int64_t head = static_cast<int64_t>(w.kv_head) * group + r % group;
       QT* dst = o_ptr + t * os0 + head * os1;
-      for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<QT>(row[x] * inv);
+      store_scaled(dst, row.data(), inv, d);
     }
     i = j;
   }
