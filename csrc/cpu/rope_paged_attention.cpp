@@ -213,7 +213,8 @@ struct Scratch {
   Buffer<uint16_t> amx_p;
   Scratch(int64_t rows, int64_t d)
       : q(rows * d), qc(rows * d), k(KEY_CHUNK * d), kt(KEY_CHUNK * d), v(KEY_CHUNK * d),
-        s(rows * KEY_CHUNK), amx_s(16 * AMX_STEP), amx_p(16 * AMX_STEP) {}
+        s(rows * KEY_CHUNK), amx_s((rows + 15) / 16 * 16 * AMX_STEP),
+        amx_p((rows + 15) / 16 * 16 * AMX_STEP) {}
 };
 
 // Score and P.V micro-kernels. Each works on a tile of ROWS rows (queries times the GQA group
@@ -705,10 +706,13 @@ MEPIC_AMX_FN void attend_amx(const WorkItem& w, const QT* q_ptr, int64_t qs0, in
   // softmax over the whole step, then P V with each output tile loaded and stored once.
   for (int64_t k0 = 0; k0 < reach; k0 += AMX_STEP) {
     const int64_t n = std::min<int64_t>(AMX_STEP, (reach - k0 + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS);
-    for (int64_t r0 = 0; r0 < padded; r0 += 16) {
-      if (vis[std::min<int64_t>(r0 + 15, rows - 1)] <= k0) continue;  // vis grows with r
-      for (int64_t c0 = 0; c0 < n; c0 += AMX_KEYS) {
-        const uint16_t* kt = pk.k + ((k0 + c0) / 16) * dk * 512;
+    // Row tiles that see a key of this step: a suffix (vis grows with r).
+    int64_t r_first = 0;
+    while (r_first < padded && vis[std::min<int64_t>(r_first + 15, rows - 1)] <= k0) r_first += 16;
+    // Scores: per 64 keys (16 KB of K, kept in L1), every active row tile.
+    for (int64_t c0 = 0; c0 < n; c0 += AMX_KEYS) {
+      const uint16_t* kt = pk.k + ((k0 + c0) / 16) * dk * 512;
+      for (int64_t r0 = r_first; r0 < padded; r0 += 16) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -724,61 +728,61 @@ MEPIC_AMX_FN void attend_amx(const WorkItem& w, const QT* q_ptr, int64_t qs0, in
           _tile_loadd(6, kt + (3 * dk + x) * 512, 64);
           _tile_dpbf16ps(3, 4, 6);
         }
-        _tile_stored(0, s + c0, AMX_STEP * 4);
-        _tile_stored(1, s + c0 + 16, AMX_STEP * 4);
-        _tile_stored(2, s + c0 + 32, AMX_STEP * 4);
-        _tile_stored(3, s + c0 + 48, AMX_STEP * 4);
-      }
-      // Online softmax, one row at a time; keys a row cannot see get P = 0.
-      for (int64_t i = 0; i < 16; ++i) {
-        const int64_t r = r0 + i;
-        uint16_t* prow = pb + i * AMX_STEP;
-        const int64_t v = std::min<int64_t>(vis[r] - k0, n);
-        if (v <= 0) {
-          std::fill(prow, prow + n, 0);
-          continue;
-        }
-        float* sr = s + i * AMX_STEP;
-        __m512 mxv = _mm512_set1_ps(NEG_INF);
-        for (int64_t c = 0; c < v; c += 16) {
-          const __mmask16 mk = static_cast<__mmask16>(
-              (1u << std::min<int64_t>(v - c, 16)) - 1u);
-          mxv = _mm512_max_ps(mxv, _mm512_mask_loadu_ps(mxv, mk, sr + c));
-        }
-        const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(mxv));
-        const float alpha = std::exp(row_max[r] - new_max);
-        if (alpha != 1.f) {
-          float* o = out_rows + r * d;
-          const __m512 a = _mm512_set1_ps(alpha);
-          for (int64_t y = 0; y < d; y += 16)
-            _mm512_storeu_ps(o + y, _mm512_mul_ps(_mm512_loadu_ps(o + y), a));
-        }
-        const __m512 nm = _mm512_set1_ps(new_max);
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t c = 0; c < n; c += 32) {
-          const __mmask16 m0 = static_cast<__mmask16>(
-              (1u << std::clamp<int64_t>(v - c, 0, 16)) - 1u);
-          const __mmask16 m1 = static_cast<__mmask16>(
-              (1u << std::clamp<int64_t>(v - c - 16, 0, 16)) - 1u);
-          const __m512 e0 = _mm512_maskz_mov_ps(
-              m0, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + c), nm)));
-          const __m512 e1 = _mm512_maskz_mov_ps(
-              m1, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + c + 16), nm)));
-          total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
-          _mm512_storeu_si512(prow + c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-        }
-        row_sum[r] = row_sum[r] * alpha + _mm512_reduce_add_ps(total);
-        row_max[r] = new_max;
-      }
-      // O[rows, :] += P V over the step's keys, 32 at a time; four (or two) 16-wide output
-      // tiles at once, so that four accumulations are in flight (each waits on its previous).
-      for (int64_t y = 0; y < dv; y += 4) {
-        if (dv - y >= 4)
-          amx_pv<4>(pb, pk.v, k0, n, dv, y, out_rows + r0 * d, o_stride);
-        else
-          amx_pv<2>(pb, pk.v, k0, n, dv, y, out_rows + r0 * d, o_stride);
+        float* sr = s + r0 * AMX_STEP + c0;
+        _tile_stored(0, sr, AMX_STEP * 4);
+        _tile_stored(1, sr + 16, AMX_STEP * 4);
+        _tile_stored(2, sr + 32, AMX_STEP * 4);
+        _tile_stored(3, sr + 48, AMX_STEP * 4);
       }
     }
+    // Online softmax, one row at a time; keys a row cannot see get P = 0.
+    for (int64_t r = r_first; r < padded; ++r) {
+      uint16_t* prow = pb + r * AMX_STEP;
+      const int64_t v = std::min<int64_t>(vis[r] - k0, n);
+      if (v <= 0) {
+        std::fill(prow, prow + n, 0);
+        continue;
+      }
+      const float* sr = s + r * AMX_STEP;
+      __m512 mxv = _mm512_set1_ps(NEG_INF);
+      int64_t c = 0;
+      for (; c + 16 <= v; c += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sr + c));
+      if (c < v)
+        mxv = _mm512_max_ps(mxv, _mm512_mask_loadu_ps(mxv, static_cast<__mmask16>((1u << (v - c)) - 1u), sr + c));
+      const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(mxv));
+      const float alpha = std::exp(row_max[r] - new_max);
+      if (alpha != 1.f) {
+        float* o = out_rows + r * d;
+        const __m512 a = _mm512_set1_ps(alpha);
+        for (int64_t y = 0; y < d; y += 16)
+          _mm512_storeu_ps(o + y, _mm512_mul_ps(_mm512_loadu_ps(o + y), a));
+      }
+      const __m512 nm = _mm512_set1_ps(new_max);
+      __m512 total = _mm512_setzero_ps();
+      for (c = 0; c < n; c += 32) {
+        __m512 e0 = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + c), nm));
+        __m512 e1 = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + c + 16), nm));
+        if (c + 32 > v) {
+          e0 = _mm512_maskz_mov_ps(
+              static_cast<__mmask16>((1u << std::clamp<int64_t>(v - c, 0, 16)) - 1u), e0);
+          e1 = _mm512_maskz_mov_ps(
+              static_cast<__mmask16>((1u << std::clamp<int64_t>(v - c - 16, 0, 16)) - 1u), e1);
+        }
+        total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
+        _mm512_storeu_si512(prow + c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      }
+      row_sum[r] = row_sum[r] * alpha + _mm512_reduce_add_ps(total);
+      row_max[r] = new_max;
+    }
+    // O += P V over the step's keys: per four (or two) 16-wide output columns (a V slice that
+    // stays in L1), every active row tile; four accumulations in flight.
+    for (int64_t y = 0; y < dv; y += 4)
+      for (int64_t r0 = r_first; r0 < padded; r0 += 16) {
+        if (dv - y >= 4)
+          amx_pv<4>(pb + r0 * AMX_STEP, pk.v, k0, n, dv, y, out_rows + r0 * d, o_stride);
+        else
+          amx_pv<2>(pb + r0 * AMX_STEP, pk.v, k0, n, dv, y, out_rows + r0 * d, o_stride);
+      }
   }
 }
 #endif
