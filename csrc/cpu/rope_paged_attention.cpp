@@ -615,14 +615,15 @@ MEPIC_AMX_FN void pack_amx(const KT* k_ptr, const KT* v_ptr, int64_t cb, int64_t
   if (pending != nullptr) put_pair(kk, pending, nullptr);
 }
 
-// exp(x) for sixteen x <= 0 (exp_nonpositive's method; scalef applies 2^i).
-inline __m512 exp_nonpositive16(__m512 x) {
+// exp(x) for sixteen x <= 16, for P rounded to bfloat16: exp_nonpositive's method with a
+// degree-5 polynomial (relative error about 3e-6, far below bfloat16's 4e-3); scalef applies
+// 2^i.
+inline __m512 exp16(__m512 x) {
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
                                  _mm512_set1_ps(1.4426950408889634f));
   const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(0.00015404f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00133336f));
+  __m512 p = _mm512_set1_ps(0.00133336f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00961813f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550411f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022652f));
@@ -630,6 +631,7 @@ inline __m512 exp_nonpositive16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, fi);
 }
+
 
 // O tiles y .. y + NT - 1 (16 columns each) of 16 rows += P [16 x n] V [n keys, packed].
 template <int NT>
@@ -661,6 +663,37 @@ MEPIC_AMX_FN inline void amx_pv(const uint16_t* pb, const uint16_t* v, int64_t k
     _tile_stored(2, o + 16 * (y + 2), o_stride);
     _tile_stored(3, o + 16 * (y + 3), o_stride);
   }
+}
+
+constexpr float AMX_HEADROOM = 16.f;
+
+// prow[c] = bfloat16(exp(sr[c] - m)) for c < v, 0 for v <= c < n (n a multiple of 32);
+// total = the float32 values' lane sums. False, with prow incomplete, when a score exceeds
+// limit (the caller then starts again with a new maximum).
+MEPIC_AMX_FN inline bool softmax_step(const float* sr, uint16_t* prow, int64_t n, int64_t v,
+                                      float m, float limit, __m512& total) {
+  const __m512 nm = _mm512_set1_ps(m);
+  __m512 peak = _mm512_set1_ps(NEG_INF);
+  total = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n; c += 32) {
+    const __m512 s0 = _mm512_loadu_ps(sr + c), s1 = _mm512_loadu_ps(sr + c + 16);
+    __m512 e0 = exp16(_mm512_sub_ps(s0, nm));
+    __m512 e1 = exp16(_mm512_sub_ps(s1, nm));
+    if (c + 32 > v) {
+      const __mmask16 m0 = static_cast<__mmask16>((1u << std::clamp<int64_t>(v - c, 0, 16)) - 1u);
+      const __mmask16 m1 =
+          static_cast<__mmask16>((1u << std::clamp<int64_t>(v - c - 16, 0, 16)) - 1u);
+      e0 = _mm512_maskz_mov_ps(m0, e0);
+      e1 = _mm512_maskz_mov_ps(m1, e1);
+      peak = _mm512_mask_max_ps(peak, m0, peak, s0);
+      peak = _mm512_mask_max_ps(peak, m1, peak, s1);
+    } else {
+      peak = _mm512_max_ps(peak, _mm512_max_ps(s0, s1));
+    }
+    total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
+    _mm512_storeu_si512(prow + c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+  }
+  return _mm512_reduce_max_ps(peak) <= limit;
 }
 
 // One work item on the tiles: rows (queries x GQA group) in tiles of 16 over the packed keys
@@ -744,32 +777,33 @@ MEPIC_AMX_FN void attend_amx(const WorkItem& w, const QT* q_ptr, int64_t qs0, in
         continue;
       }
       const float* sr = s + r * AMX_STEP;
-      __m512 mxv = _mm512_set1_ps(NEG_INF);
-      int64_t c = 0;
-      for (; c + 16 <= v; c += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sr + c));
-      if (c < v)
-        mxv = _mm512_max_ps(mxv, _mm512_mask_loadu_ps(mxv, static_cast<__mmask16>((1u << (v - c)) - 1u), sr + c));
-      const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(mxv));
-      const float alpha = std::exp(row_max[r] - new_max);
-      if (alpha != 1.f) {
-        float* o = out_rows + r * d;
-        const __m512 a = _mm512_set1_ps(alpha);
-        for (int64_t y = 0; y < d; y += 16)
-          _mm512_storeu_ps(o + y, _mm512_mul_ps(_mm512_loadu_ps(o + y), a));
+      // One pass against the row's running maximum m: p = exp(s - m) while no score exceeds
+      // m by more than AMX_HEADROOM (p then stays below e^16, exact enough in float32 and
+      // bfloat16), so most steps neither search a maximum first nor rescale O. A row's first
+      // step, or a step that exceeds the headroom, takes two passes with the new maximum.
+      float new_max = row_max[r];
+      float alpha = 1.f;
+      __m512 total;
+      bool done = false;
+      if (new_max != NEG_INF) {
+        done = softmax_step(sr, prow, n, v, new_max, new_max + AMX_HEADROOM, total);
       }
-      const __m512 nm = _mm512_set1_ps(new_max);
-      __m512 total = _mm512_setzero_ps();
-      for (c = 0; c < n; c += 32) {
-        __m512 e0 = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + c), nm));
-        __m512 e1 = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + c + 16), nm));
-        if (c + 32 > v) {
-          e0 = _mm512_maskz_mov_ps(
-              static_cast<__mmask16>((1u << std::clamp<int64_t>(v - c, 0, 16)) - 1u), e0);
-          e1 = _mm512_maskz_mov_ps(
-              static_cast<__mmask16>((1u << std::clamp<int64_t>(v - c - 16, 0, 16)) - 1u), e1);
+      if (!done) {
+        __m512 mxv = _mm512_set1_ps(NEG_INF);
+        int64_t c = 0;
+        for (; c + 16 <= v; c += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sr + c));
+        if (c < v)
+          mxv = _mm512_max_ps(
+              mxv, _mm512_mask_loadu_ps(mxv, static_cast<__mmask16>((1u << (v - c)) - 1u), sr + c));
+        new_max = std::max(row_max[r], _mm512_reduce_max_ps(mxv));
+        alpha = std::exp(row_max[r] - new_max);
+        if (alpha != 1.f) {
+          float* o = out_rows + r * d;
+          const __m512 a = _mm512_set1_ps(alpha);
+          for (int64_t y = 0; y < d; y += 16)
+            _mm512_storeu_ps(o + y, _mm512_mul_ps(_mm512_loadu_ps(o + y), a));
         }
-        total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
-        _mm512_storeu_si512(prow + c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        softmax_step(sr, prow, n, v, new_max, std::numeric_limits<float>::infinity(), total);
       }
       row_sum[r] = row_sum[r] * alpha + _mm512_reduce_add_ps(total);
       row_max[r] = new_max;
