@@ -431,6 +431,24 @@ inline __m512 load16(const at::BFloat16* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// rotate_into with 16-lane vectors for NeoX halves that are a multiple of 16 (bfloat16
+// widened in registers); otherwise rotate_into itself.
+template <typename T>
+inline void rotate_row(const T* __restrict src, float* __restrict dst, const float* __restrict cs,
+                       int64_t d, bool neox) {
+  const int64_t half = d / 2;
+  if (!neox || half % 16 != 0) {
+    rotate_into(src, dst, cs, d, neox);
+    return;
+  }
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 a = load16(src + i), b = load16(src + half + i);
+    const __m512 c = _mm512_loadu_ps(cs + i), sn = _mm512_loadu_ps(cs + half + i);
+    _mm512_storeu_ps(dst + i, _mm512_fnmadd_ps(b, sn, _mm512_mul_ps(a, c)));
+    _mm512_storeu_ps(dst + half + i, _mm512_fmadd_ps(a, sn, _mm512_mul_ps(b, c)));
+  }
+}
+
 // pv_slice with 16-lane vectors: W x 16 head elements from x0, ROWS rows, keys [0, n).
 template <int W, typename VT>
 inline void pv_slice512(const float* __restrict p, const VT* __restrict v, int64_t v_stride,
@@ -599,7 +617,7 @@ MEPIC_AMX_FN void pack_amx(const KT* k_ptr, const KT* v_ptr, int64_t cb, int64_t
     const int32_t first = m.first[meta_row + j];
     for (int32_t c = v0; c < v1; ++c, ++kk) {
       const int64_t off = blk * cb + c * cs + head * ch;
-      rotate_into(k_ptr + off, row, cos_sin + static_cast<int64_t>(first + c - v0) * cs_stride,
+      rotate_row(k_ptr + off, row, cos_sin + static_cast<int64_t>(first + c - v0) * cs_stride,
                   d, neox);
       to_bf16(row, 1.f, d, reinterpret_cast<uint16_t*>(block.data() + (kk % 16) * words));
       if (kk % 16 == 15) flush(kk + 1);
@@ -720,7 +738,7 @@ MEPIC_AMX_FN void attend_amx(const WorkItem& w, const QT* q_ptr, int64_t qs0, in
       continue;
     }
     const int64_t t = w.q_begin + r / group;
-    rotate_into(q_ptr + t * qs0 + (w.kv_head * group + r % group) * qs1, row,
+    rotate_row(q_ptr + t * qs0 + (w.kv_head * group + r % group) * qs1, row,
                 cos_sin + static_cast<int64_t>(m.q_pos[t]) * cs_stride, d, neox);
     to_bf16(row, scale, d, dst);
     vis[r] = static_cast<int32_t>(
