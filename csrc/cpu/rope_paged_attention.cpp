@@ -837,6 +837,123 @@ MEPIC_AMX_FN void attend_amx(const WorkItem& w, const QT* q_ptr, int64_t qs0, in
       }
   }
 }
+// Decode on the tiles (one query, its GQA group of at most 16 rows, bfloat16): keys need no
+// tile order here. The scores come transposed, S^T = K Q^T, with the chunk's rotated K rows
+// as the A operand (plain row-major bfloat16) and Q^T, packed once per item, as B; the
+// softmax then runs down the keys with the rows in the 16 lanes, and P V on AVX-512 FMAs over
+// the real rows only. Per key that is a rotation and a few vector operations, where the
+// vector path spent a dot product and a reduction per row.
+template <typename QT>
+MEPIC_AMX_FN void attend_amx_decode(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1,
+                                    const at::BFloat16* k_ptr, const at::BFloat16* v_ptr,
+                                    int64_t cb, int64_t cs, int64_t ch, const Meta& m,
+                                    const float* cos_sin, int64_t cs_stride, bool neox,
+                                    float scale, int64_t group, int64_t d, Scratch& sc,
+                                    float* out_rows, float* row_max, float* row_sum) {
+  const int64_t rows = group;  // one query
+  const int64_t t = w.q_begin;
+  const int64_t dk = d / 32;
+  // B operands: qt[x] = Q^T for dims [32x, 32x + 32) in pairs: row i, column 2r + e holds
+  // Q[r][32x + 2i + e] (rows past `rows` zero).
+  uint16_t* qt = sc.amx_p.data();  // dk tiles of 16 x 32
+  uint16_t* kb = reinterpret_cast<uint16_t*>(sc.k.data());  // KEY_CHUNK rotated K rows
+  float* st = sc.amx_s.data();  // KEY_CHUNK x 16 scores, then probabilities
+  float* row = sc.qc.data();
+  std::fill(qt, qt + dk * 512, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    rotate_row(q_ptr + t * qs0 + (w.kv_head * group + r) * qs1, row,
+               cos_sin + static_cast<int64_t>(m.q_pos[t]) * cs_stride, d, neox);
+    uint16_t bits[512];
+    to_bf16(row, scale, d, bits);
+    for (int64_t x = 0; x < d; ++x) qt[(x / 32) * 512 + ((x % 32) / 2) * 32 + 2 * r + x % 2] = bits[x];
+  }
+  std::fill(out_rows, out_rows + rows * d, 0.f);
+  __m512 mx = _mm512_set1_ps(NEG_INF), sum = _mm512_setzero_ps();
+  const int32_t q_idx = m.q_idx[t];
+  const int64_t meta_row = static_cast<int64_t>(w.seq) * m.table_stride;
+  amx_configure();
+  for (int32_t j = w.entry_begin; j < w.entry_end; ++j) {
+    const int64_t base = static_cast<int64_t>(j) * m.block_size;
+    const int32_t v0 = m.vstart[meta_row + j];
+    const int32_t v1 = static_cast<int32_t>(
+        std::min<int64_t>(m.vend[meta_row + j], static_cast<int64_t>(q_idx) - base + 1));
+    if (v0 >= v1) continue;
+    const int64_t blk = m.tables[meta_row + j];
+    const int32_t first = m.first[meta_row + j];
+    for (int32_t c0 = v0; c0 < v1; c0 += KEY_CHUNK) {
+      const int64_t n = std::min<int64_t>(KEY_CHUNK, v1 - c0);
+      const int64_t tiles = (n + 15) / 16;
+      const int64_t off = blk * cb + c0 * cs + static_cast<int64_t>(w.kv_head) * ch;
+      const float* cs_chunk = cos_sin + static_cast<int64_t>(first + c0 - v0) * cs_stride;
+      for (int64_t c = 0; c < n; ++c) {
+        rotate_row(k_ptr + off + c * cs, row, cs_chunk + c * cs_stride, d, neox);
+        to_bf16(row, 1.f, d, kb + c * d);
+      }
+      // S^T for the chunk, 16 keys per tile (rows past n are stale: masked below).
+      for (int64_t b = 0; b < tiles; ++b) {
+        _tile_zero(0);
+        for (int64_t x = 0; x < dk; ++x) {
+          _tile_loadd(1, kb + b * 16 * d + 32 * x, d * 2);
+          _tile_loadd(2, qt + x * 512, 64);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, st + b * 256, 64);
+      }
+      __m512 cmax = mx;
+      for (int64_t c = 0; c < n; ++c) cmax = _mm512_max_ps(cmax, _mm512_loadu_ps(st + c * 16));
+      const __m512 alpha = exp16(_mm512_sub_ps(mx, cmax));  // 0 where mx was -inf
+      mx = cmax;
+      __m512 csum = _mm512_setzero_ps();
+      for (int64_t c = 0; c < n; ++c) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(st + c * 16), cmax));
+        csum = _mm512_add_ps(csum, e);
+        _mm512_storeu_ps(st + c * 16, e);
+      }
+      sum = _mm512_fmadd_ps(sum, alpha, csum);
+      alignas(64) float a[16];
+      _mm512_store_ps(a, alpha);
+      for (int64_t r = 0; r < rows; ++r) {
+        if (a[r] == 1.f) continue;
+        float* o = out_rows + r * d;
+        const __m512 av = _mm512_set1_ps(a[r]);
+        for (int64_t y = 0; y < d; y += 16)
+          _mm512_storeu_ps(o + y, _mm512_mul_ps(_mm512_loadu_ps(o + y), av));
+      }
+      // O[r] += sum_c P^T[c][r] V[c], four rows and 64 dims in registers at a time.
+      const at::BFloat16* vrows = v_ptr + off;
+      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int64_t rn = std::min<int64_t>(4, rows - r0);
+        for (int64_t y = 0; y < d; y += 64) {
+          const int64_t wn = std::min<int64_t>(4, (d - y) / 16);
+          __m512 acc[4][4];
+          for (int64_t r = 0; r < 4; ++r)
+            for (int64_t u = 0; u < 4; ++u)
+              acc[r][u] = r < rn && u < wn ? _mm512_loadu_ps(out_rows + (r0 + r) * d + y + 16 * u)
+                                           : _mm512_setzero_ps();
+          for (int64_t c = 0; c < n; ++c) {
+            __m512 vv[4];
+            for (int64_t u = 0; u < 4; ++u)
+              vv[u] = u < wn ? load16(vrows + c * cs + y + 16 * u) : _mm512_setzero_ps();
+            for (int64_t r = 0; r < 4; ++r) {
+              const __m512 pr = _mm512_set1_ps(st[c * 16 + r0 + r]);
+              for (int64_t u = 0; u < 4; ++u) acc[r][u] = _mm512_fmadd_ps(pr, vv[u], acc[r][u]);
+            }
+          }
+          for (int64_t r = 0; r < rn; ++r)
+            for (int64_t u = 0; u < wn; ++u)
+              _mm512_storeu_ps(out_rows + (r0 + r) * d + y + 16 * u, acc[r][u]);
+        }
+      }
+    }
+  }
+  alignas(64) float mv[16], sv[16];
+  _mm512_store_ps(mv, mx);
+  _mm512_store_ps(sv, sum);
+  for (int64_t r = 0; r < rows; ++r) {
+    row_max[r] = mv[r];
+    row_sum[r] = sv[r];
+  }
+}
 #endif
 
 // Portable versions (any head size, any ISA the compiler vectorises for).
@@ -1060,7 +1177,9 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
   static thread_local Buffer<uint16_t> packs;
   uint16_t* pack_data = nullptr;  // packs is this thread's: OpenMP threads use the pointer
   bool any_amx = false;
+  bool amx_decode = false;  // one-query items of a bfloat16 cache on the tiles
   if constexpr (std::is_same_v<QT, at::BFloat16> && std::is_same_v<KT, at::BFloat16>) {
+    amx_decode = d % 32 == 0 && d <= 256 && group <= 16 && amx_enabled();
     if (d % 32 == 0 && amx_enabled()) {
       int64_t total = 0;
       for (int64_t sq = 0; sq < m.num_seqs; ++sq) {
@@ -1122,13 +1241,24 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
       float* rows_out = split ? acc.data() + slot[i] * max_rows * d : own.data();
       float* rows_mx = split ? mx.data() + slot[i] * max_rows : own_mx.data();
       float* rows_sm = split ? sm.data() + slot[i] * max_rows : own_sm.data();
+      bool done = false;
 #if defined(MEPIC_CPU_AMX) && defined(MEPIC_CPU_AVX512)
       AmxPack pk;
-      if (any_amx && pack_for(w, pk))
+      if (any_amx && pack_for(w, pk)) {
         attend_amx<QT>(w, q_ptr, qs0, qs1, pk, m, cos_sin, cs_stride, neox, scale, group, d,
                        scratch, rows_out, rows_mx, rows_sm);
-      else
+        done = true;
+      }
+      if constexpr (std::is_same_v<KT, at::BFloat16>) {
+        if (!done && amx_decode && w.q_end - w.q_begin == 1) {
+          attend_amx_decode<QT>(w, q_ptr, qs0, qs1, k_ptr, v_ptr, cb, cs, ch, m, cos_sin,
+                                cs_stride, neox, scale, group, d, scratch, rows_out, rows_mx,
+                                rows_sm);
+          done = true;
+        }
+      }
 #endif
+      if (!done)
         attend<QT, KT>(w, q_ptr, qs0, qs1, k_ptr, v_ptr, cb, cs, ch, m, cos_sin, cs_stride,
                        neox, scale, group, d, scratch, rows_out, rows_mx, rows_sm);
       if (split) continue;
@@ -1142,7 +1272,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
       }
     }
 #if defined(MEPIC_CPU_AMX) && defined(MEPIC_CPU_AVX512)
-    if (any_amx) amx_release();
+    if (any_amx || amx_decode) amx_release();
 #endif
   }
   // Merge: items of one (sequence, KV head, tile) differ only by split and are adjacent.
