@@ -290,11 +290,18 @@ inline void pv_slice(const float* __restrict p, const VT* __restrict v, int64_t 
 // has turned the rows back by the chunk's first position). n is rounded up to 4; keys past n
 // repeat the last one (their scores are never read). half = d / 2, a multiple of 8.
 template <typename KT>
-inline void score_tile_rope(const float* __restrict q, const KT* __restrict k, int64_t ks,
+inline void score_tile_rope(const float* __restrict q, const KT* __restrict k,
+                            const KT* __restrict v, int64_t ks, int64_t in_block,
                             const float* __restrict cos_sin, int64_t cs_stride, int64_t n,
                             int64_t d, float* __restrict s) {
   const int64_t half = d / 2;
   for (int64_t c = 0; c < n; c += 4) {
+    // K and V rows 8 keys ahead, while they are in this block (rows contiguous).
+    for (int64_t a = c + 8; a < std::min<int64_t>(c + 12, in_block); ++a)
+      for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(KT)); b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k + a * ks) + b, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char*>(v + a * ks) + b, 0, 3);
+      }
     __m256 acc[ROWS][4];
     for (int r = 0; r < ROWS; ++r)
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
@@ -1050,12 +1057,22 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
         // are the table's first KEY_CHUNK (cache-resident), not a fresh row per key.
         for (int64_t r = 0; r < rows; ++r)
           rotate_into<float, true>(q + r * d, qc + r * d, cs_chunk, d, true);
-        score_tile_rope(qc, k_ptr + chunk_off, cs, cos_sin, cs_stride, n, d, s);
+        score_tile_rope(qc, k_ptr + chunk_off, v_ptr + chunk_off, cs, v1 - c0, cos_sin,
+                        cs_stride, n, d, s);
       }
 #endif
       if (!fused) {
-        for (int64_t c = 0; c < n; ++c)
+        for (int64_t c = 0; c < n; ++c) {
+          if (c0 + c + 8 < v1) {  // K and V rows 8 keys ahead (within the block: contiguous)
+            const char* kn = reinterpret_cast<const char*>(k_ptr + chunk_off + (c + 8) * cs);
+            const char* vn = reinterpret_cast<const char*>(v_ptr + chunk_off + (c + 8) * cs);
+            for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(KT)); b += 64) {
+              __builtin_prefetch(kn + b, 0, 3);
+              __builtin_prefetch(vn + b, 0, 3);
+            }
+          }
           rotate_into(k_ptr + chunk_off + c * cs, kb + c * d, cs_chunk + c * cs_stride, d, neox);
+        }
         std::fill(kb + n * d, kb + n4 * d, 0.f);
 #ifdef MEPIC_CPU_AVX512
         // Many row tiles (prefill): transposing the chunk once pays for itself.
