@@ -220,7 +220,11 @@ struct Scratch {
 // Score and P.V micro-kernels. Each works on a tile of ROWS rows (queries times the GQA group
 // sharing the KV head, padded with zero rows), so every rotated key and every value row loaded
 // into registers serves all the tile's rows: the small-GEMM tiling vLLM's CPU kernels use.
+#ifdef __AVX512F__
+constexpr int64_t ROWS = 4;  // 32 vector registers: GQA groups of 4 (most 7B models) fused
+#else
 constexpr int64_t ROWS = 3;
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define MEPIC_CPU_AVX2 1
@@ -1213,7 +1217,9 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
   bool any_amx = false;
   bool amx_decode = false;  // one-query items of a bfloat16 cache on the tiles
   if constexpr (std::is_same_v<QT, at::BFloat16> && std::is_same_v<KT, at::BFloat16>) {
-    amx_decode = d % 32 == 0 && d <= 256 && group <= 16 && amx_enabled();
+    // Groups the vector path fuses (at most ROWS rows) decode faster there; wider groups
+    // (7 or 8 query heads per KV head) gain about 12% on the tiles.
+    amx_decode = d % 32 == 0 && d <= 256 && group > ROWS && group <= 16 && amx_enabled();
     if (d % 32 == 0 && amx_enabled()) {
       int64_t total = 0;
       for (int64_t sq = 0; sq < m.num_seqs; ++sq) {
