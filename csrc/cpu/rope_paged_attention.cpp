@@ -1004,7 +1004,8 @@ template <typename QT, typename KT>
 void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const KT* k_ptr,
             const KT* v_ptr, int64_t cb, int64_t cs, int64_t ch, const Meta& m,
             const float* cos_sin, int64_t cs_stride, bool neox, float scale, int64_t group,
-            int64_t d, Scratch& sc, float* out_rows, float* row_max, float* row_sum) {
+            int64_t d, Scratch& sc, float* out_rows, float* row_max, float* row_sum,
+            const float* packed_kt = nullptr, const int64_t* chunk_base = nullptr) {
   const int64_t nq = w.q_end - w.q_begin;
   const int64_t rows = nq * group;
   const int64_t padded = (rows + ROWS - 1) / ROWS * ROWS;  // rows beyond `rows` are zero
@@ -1065,9 +1066,16 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
                         cs_stride, n, d, s);
       }
 #endif
+#ifdef MEPIC_CPU_AVX512
+      if (packed_kt != nullptr) {
+        // The sequence's keys were rotated and transposed once for all its query tiles.
+        const float* kt = packed_kt + (chunk_base[j] + (c0 - v0) / KEY_CHUNK) * d * KEY_CHUNK;
+        for (int64_t r = 0; r < padded; r += ROWS) score_tile_t512(q + r * d, kt, d, s + r * KEY_CHUNK);
+      } else
+#endif
       if (!fused) {
         for (int64_t c = 0; c < n; ++c) {
-          if (c0 + c + 8 < v1) {  // K and V rows 8 keys ahead (within the block: contiguous)
+          if (nq == 1 && c0 + c + 8 < v1) {  // decode: K, V rows 8 keys ahead (in the block)
             const char* kn = reinterpret_cast<const char*>(k_ptr + chunk_off + (c + 8) * cs);
             const char* vn = reinterpret_cast<const char*>(v_ptr + chunk_off + (c + 8) * cs);
             for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(KT)); b += 64) {
@@ -1269,6 +1277,83 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
     return true;
   };
 #endif
+#ifdef MEPIC_CPU_AVX512
+  // Vector-path prefill (sequences with many row tiles that AMX does not take): each
+  // sequence's keys, per KV head, rotated and transposed once into chunks of d x KEY_CHUNK
+  // floats in the order attend() visits them; before, every query tile redid both.
+  std::vector<int64_t> kt_of(m.num_seqs, -1), chunk_base;  // per sequence: first chunk base
+  std::vector<int64_t> kt_seq_chunks;                       // chunks per packed sequence
+  std::vector<int64_t> kt_seqs, kt_index(m.num_seqs, -1);  // packed sequences; their index
+  static thread_local Buffer<float> kt_packs;
+  float* kt_data = nullptr;
+  int64_t kt_chunks_total = 0;
+  if (d % 16 == 0) {
+    for (int64_t sq = 0; sq < m.num_seqs; ++sq) {
+      const int64_t nq = m.loc[sq + 1] - m.loc[sq];
+#if defined(MEPIC_CPU_AMX)
+      if (pack_of[sq] >= 0) continue;  // on the tiles
+#endif
+      if (nq * group < 4 * ROWS) continue;
+      const int64_t row0 = sq * m.table_stride;
+      kt_of[sq] = static_cast<int64_t>(chunk_base.size());
+      int64_t chunks = 0;
+      for (int32_t j = 0; j < m.nblocks[sq]; ++j) {
+        chunk_base.push_back(chunks);
+        const int64_t keys = std::max(0, m.vend[row0 + j] - m.vstart[row0 + j]);
+        chunks += (keys + KEY_CHUNK - 1) / KEY_CHUNK;
+      }
+      kt_index[sq] = static_cast<int64_t>(kt_seqs.size());
+      kt_seqs.push_back(sq);
+      kt_seq_chunks.push_back(kt_chunks_total);
+      kt_chunks_total += chunks * hkv;
+    }
+    if (kt_chunks_total > 0) {
+      const int64_t need = kt_chunks_total * d * KEY_CHUNK;
+      if (static_cast<int64_t>(kt_packs.size()) < need) kt_packs.resize(need);
+      kt_data = kt_packs.data();
+      const int64_t jobs = static_cast<int64_t>(kt_seqs.size()) * hkv;
+#pragma omp parallel num_threads(threads)
+      {
+        Buffer<float> rows_buf(KEY_CHUNK * d);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < jobs; ++job) {
+          const int64_t si = job / hkv, h = job % hkv, sq = kt_seqs[si];
+          const int64_t row0 = sq * m.table_stride;
+          const int64_t seq_chunks =
+              (si + 1 < static_cast<int64_t>(kt_seqs.size()) ? kt_seq_chunks[si + 1]
+                                                              : kt_chunks_total) -
+              kt_seq_chunks[si];
+          float* out = kt_data + (kt_seq_chunks[si] + h * (seq_chunks / hkv)) * d * KEY_CHUNK;
+          for (int32_t j = 0; j < m.nblocks[sq]; ++j) {
+            const int32_t v0 = m.vstart[row0 + j], v1 = m.vend[row0 + j];
+            const int64_t blk = m.tables[row0 + j];
+            const int32_t first = m.first[row0 + j];
+            for (int32_t c0 = v0; c0 < v1; c0 += KEY_CHUNK) {
+              const int64_t n = std::min<int64_t>(KEY_CHUNK, v1 - c0);
+              const int64_t off = blk * cb + c0 * cs + h * ch;
+              const float* cs_chunk = cos_sin + static_cast<int64_t>(first + c0 - v0) * cs_stride;
+              for (int64_t c = 0; c < n; ++c)
+                rotate_into(k_ptr + off + c * cs, rows_buf.data() + c * d,
+                            cs_chunk + c * cs_stride, d, neox);
+              transpose_keys(rows_buf.data(), n, d, out);
+              out += d * KEY_CHUNK;
+            }
+          }
+        }
+      }
+    }
+  }
+  auto kt_for = [&](const WorkItem& w) -> const float* {
+    const int64_t first = kt_of[w.seq];
+    if (first < 0 || w.split >= 0) return nullptr;
+    const int64_t si = kt_index[w.seq];
+    const int64_t seq_chunks =
+        (si + 1 < static_cast<int64_t>(kt_seqs.size()) ? kt_seq_chunks[si + 1]
+                                                        : kt_chunks_total) -
+        kt_seq_chunks[si];
+    return kt_data + (kt_seq_chunks[si] + w.kv_head * (seq_chunks / hkv)) * d * KEY_CHUNK;
+  };
+#endif
 #pragma omp parallel num_threads(threads)
   {
     Scratch scratch(max_rows, d);
@@ -1298,9 +1383,17 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
         }
       }
 #endif
-      if (!done)
+      if (!done) {
+        const float* packed_kt = nullptr;
+        const int64_t* bases = nullptr;
+#ifdef MEPIC_CPU_AVX512
+        packed_kt = kt_data != nullptr ? kt_for(w) : nullptr;
+        if (packed_kt != nullptr) bases = chunk_base.data() + kt_of[w.seq];
+#endif
         attend<QT, KT>(w, q_ptr, qs0, qs1, k_ptr, v_ptr, cb, cs, ch, m, cos_sin, cs_stride,
-                       neox, scale, group, d, scratch, rows_out, rows_mx, rows_sm);
+                       neox, scale, group, d, scratch, rows_out, rows_mx, rows_sm, packed_kt,
+                       bases);
+      }
       if (split) continue;
       const int64_t rows = (w.q_end - w.q_begin) * group;
       for (int64_t r = 0; r < rows; ++r) {
