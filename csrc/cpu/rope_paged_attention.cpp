@@ -365,7 +365,34 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
+#ifdef __AVX512F__
+// exp(x) for sixteen x <= 0: exp_nonpositive's method (degree 6) in AVX-512.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
+                                 _mm512_set1_ps(1.4426950408889634f));
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(0.00015404f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00133336f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00961813f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550411f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022652f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, fi);
+}
+#endif
+
 inline float max_of(const float* x, int64_t n) {
+#ifdef __AVX512F__
+  __m512 acc16 = _mm512_set1_ps(NEG_INF);
+  int64_t c16 = 0;
+  for (; c16 + 16 <= n; c16 += 16) acc16 = _mm512_max_ps(acc16, _mm512_loadu_ps(x + c16));
+  if (c16 < n)
+    acc16 = _mm512_max_ps(
+        acc16, _mm512_mask_loadu_ps(acc16, static_cast<__mmask16>((1u << (n - c16)) - 1u), x + c16));
+  return _mm512_reduce_max_ps(acc16);
+#endif
   __m256 acc = _mm256_set1_ps(NEG_INF);
   int64_t c = 0;
   for (; c + 8 <= n; c += 8) acc = _mm256_max_ps(acc, _mm256_loadu_ps(x + c));
@@ -376,6 +403,18 @@ inline float max_of(const float* x, int64_t n) {
 
 // x[c] = exp(x[c] - shift) for c < n; returns their sum.
 inline float exp_shifted(float* x, int64_t n, float shift) {
+#ifdef __AVX512F__
+  const __m512 sh16 = _mm512_set1_ps(shift);
+  __m512 acc16 = _mm512_setzero_ps();
+  for (int64_t c16 = 0; c16 < n; c16 += 16) {
+    const __mmask16 mk = static_cast<__mmask16>((1u << std::min<int64_t>(n - c16, 16)) - 1u);
+    const __m512 e = _mm512_maskz_mov_ps(
+        mk, exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, x + c16), sh16)));
+    _mm512_mask_storeu_ps(x + c16, mk, e);
+    acc16 = _mm512_add_ps(acc16, e);
+  }
+  return _mm512_reduce_add_ps(acc16);
+#endif
   const __m256 sh = _mm256_set1_ps(shift);
   __m256 acc = _mm256_setzero_ps();
   int64_t c = 0;
