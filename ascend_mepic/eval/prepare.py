@@ -311,9 +311,7 @@ def _build_tiny_llama(out: Path, head_dim: int = 32) -> None:
     tokenizer.save_pretrained(out)
 
 
-def prepare_tiny_llama(
-    dest: Path | None = None, force: bool = False, head_dim: int = 32
-) -> Path:
+def prepare_tiny_llama(dest: Path | None = None, force: bool = False, head_dim: int = 32) -> Path:
     """Make a tiny deterministic random Llama with its own tokenizer and return its path.
 
     Defaults to ``cache_dir()/models/tiny-llama``; takes a few seconds. ``head_dim`` other than

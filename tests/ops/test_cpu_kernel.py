@@ -61,6 +61,51 @@ def test_bf16_cache_and_query(decode, heads, head):
     check(run(b), b, 2e-2)
 
 
+@pytest.fixture(params=[True, False], ids=["amx", "vector"])
+def amx_path(request):
+    """Each bfloat16 case on the AMX tiles and on the vector path (AMX where the CPU, the
+    build and Linux offer it; the AMX case is skipped, with the reason, elsewhere)."""
+    if request.param and not cpu_kernel.set_amx(True):
+        pytest.skip(f"no AMX path on this machine (kernel paths: {cpu_kernel.isa()})")
+    cpu_kernel.set_amx(request.param)
+    yield request.param
+    cpu_kernel.set_amx(True)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("heads", [(8, 2), (9, 3), (16, 2), (16, 1)])
+@pytest.mark.parametrize("head", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 24, 128])
+def test_bf16_paths_match_oracle(amx_path, decode, heads, head, block_size):
+    """bfloat16 prefill (AMX: keys rotated and packed per sequence) and decode (AMX for GQA
+    groups wider than the vector tile, 8 and 16 here) against the float64 oracle, on layouts
+    with holes and partial blocks."""
+    b = random_batch(11, block_size, *heads, head=head, dtype=torch.bfloat16, decode=decode)
+    check(run(b), b, 2e-2)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_bf16_pad_slots_may_hold_nan(amx_path, decode):
+    """No path reads a slot outside a block's valid range (AMX packs only visible keys)."""
+    b = random_batch(9, 32, 16, 2, head=64, dtype=torch.bfloat16, decode=decode)
+    want = run(b)
+    m = b.meta
+    real = torch.zeros(b.kv_cache.shape[1:3], dtype=torch.bool)
+    for s in range(m.num_seqs):
+        for j in range(int(m.num_blocks[s])):
+            blk = int(m.block_tables[s, j])
+            real[blk, int(m.block_valid_start[s, j]) : int(m.block_valid_end[s, j])] = True
+    b.kv_cache[:, ~real] = float("nan")
+    torch.testing.assert_close(run(b), want)
+
+
+def test_isa_names_the_variant_loaded():
+    paths = cpu_kernel.isa()
+    variant, _ = cpu_kernel.choose_variant()
+    assert paths.split("+")[0] == variant, paths
+    assert ("+amx" in paths) == cpu_kernel.set_amx(True)
+
+
 @pytest.mark.parametrize("decode", [False, True])
 def test_fp32_query_over_bf16_cache(decode):
     b = random_batch(5, 32, 6, 3, decode=decode)

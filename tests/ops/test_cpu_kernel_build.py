@@ -99,3 +99,61 @@ def test_each_environment_gets_its_own_build_folder(monkeypatch):
     monkeypatch.setattr(sys, "prefix", "/elsewhere/.venv-ascend")
     assert cpu_kernel.build_dir() != here
     assert cpu_kernel.build_dir().parent == here.parent
+
+
+AVX512 = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+
+
+def test_the_best_variant_the_cpu_runs_is_chosen(monkeypatch):
+    monkeypatch.delenv(cpu_kernel.ISA_ENV, raising=False)
+    assert cpu_kernel.choose_variant(AVX512 | {"amx_bf16"})[0] == "avx512"
+    assert cpu_kernel.choose_variant(frozenset({"avx2", "fma", "f16c"}))[0] == "avx2"
+    variant, why = cpu_kernel.choose_variant(frozenset({"sse4_2"}))
+    assert variant is None and "none of the kernel's instruction sets" in why
+    # AVX-512F without BW/VL (Knights Landing) gets the AVX2 library
+    assert cpu_kernel.choose_variant(frozenset({"avx2", "fma", "f16c", "avx512f"}))[0] == "avx2"
+
+
+def test_a_forced_variant_must_run_here(monkeypatch):
+    monkeypatch.setenv(cpu_kernel.ISA_ENV, "avx512")
+    variant, why = cpu_kernel.choose_variant(frozenset({"avx2", "fma", "f16c"}))
+    assert variant is None and "lacks" in why and "avx512f" in why
+    monkeypatch.setenv(cpu_kernel.ISA_ENV, "sse")
+    assert cpu_kernel.choose_variant(AVX512)[0] is None
+
+
+def test_no_build_depends_on_the_build_machine():
+    flags = [f for variant in cpu_kernel.VARIANTS.values() for f in variant[0]]
+    assert not any(f.startswith(("-march", "-mtune=native")) for f in flags), flags
+
+
+CHECK_AVX2 = """
+import json, torch
+from ascend_mepic.ops import cpu_kernel
+from tests.ops.oracle import dense_oracle, random_batch
+worst = 0.0
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+    for decode in (False, True):
+        b = random_batch(3, 24, 8, 2, head=64, dtype=dtype, decode=decode)
+        out = cpu_kernel.rope_paged_attention_cpu(b.query, b.kv_cache, b.meta, b.rope, b.scale)
+        want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, b.rope.is_neox_style, b.scale)
+        err = (out.double() - want).abs().max().item()
+        assert err <= tol * (1 + want.abs().max().item()), (dtype, decode, err)
+print(json.dumps({"isa": cpu_kernel.isa()}))
+"""
+
+
+def test_the_avx2_library_matches_the_oracle():
+    """The AVX2 library is built everywhere; on an AVX-512 machine it is loaded by force."""
+    library, why = cpu_kernel.prebuilt()
+    if library is None:
+        pytest.skip(f"the kernel is not built here ({why})")
+    if not cpu_kernel.VARIANTS["avx2"][1] <= cpu_kernel.cpu_flags():
+        pytest.skip("this CPU cannot run the AVX2 library")
+    env = dict(os.environ, **{cpu_kernel.ISA_ENV: "avx2"})
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK_AVX2], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"isa": "avx2"}
