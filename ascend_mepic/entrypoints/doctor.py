@@ -330,7 +330,7 @@ def cpu_kernel_state() -> tuple[bool, str]:
         return False, f"{why}: {cpu_kernel.BUILD_HINT} (~30 s)"
     if not cpu_kernel.available():
         return False, "the build did not load (see the error logged above)"
-    return True, f"built and loaded ({library})"
+    return True, f"built and loaded ({library}; paths on this CPU: {cpu_kernel.isa()})"
 
 
 @contextlib.contextmanager

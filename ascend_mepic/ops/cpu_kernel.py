@@ -2,7 +2,8 @@
 
 The kernel is a torch extension registered as ``torch.ops.ascend_mepic.rope_paged_attention``.
 It is compiled only by ``build()``: ``make setup`` and ``python -m ascend_mepic.ops.cpu_kernel``
-run it, once per torch version and environment, into ``~/.cache/ascend_mepic/torch_extensions``
+run it, once per torch version and environment, one library per instruction set (``VARIANTS``;
+``load()`` takes the best the CPU runs), into ``~/.cache/ascend_mepic/torch_extensions``
 (override with ``ASCEND_MEPIC_EXT_DIR``), and record what they built in a stamp. The serving path
 (``load()``, reached from the attention forward) never compiles: it loads the library the stamp
 names if the stamp matches this source and torch, and otherwise logs why at once and returns

@@ -11,8 +11,18 @@
 // splits a sequence's block table into ranges when there are fewer (sequence, KV head) items
 // than threads; each range yields a partial output and its log-sum-exp, merged afterwards.
 //
-// Query, K, V: float32 or bfloat16 (the cache may differ from the query); math in float32. The
-// inner loops are written for the compiler's vectoriser (-O3 -march=native -fopenmp-simd).
+// Query, K, V: float32 or bfloat16 (the cache may differ from the query); math in float32 (AMX:
+// bfloat16 products, float32 sums). The file is compiled once per instruction set (ops/
+// cpu_kernel.py: avx512, avx2; never -march=native) and the loader picks the library the CPU
+// runs. AMX code is compiled per function (MEPIC_AMX_FN) and used only where CPUID reports
+// AMX-BF16 and Linux grants the tile state.
+//
+// Paths, chosen per work item:
+// * bfloat16, a sequence with at least 16 rows (prefill): attend_amx, over keys rotated and
+//   packed into tile order once per call (pack_amx);
+// * bfloat16 decode with a GQA group wider than ROWS: attend_amx_decode (S^T = K Q^T);
+// * otherwise attend(): AVX-512/AVX2 register tiles of ROWS rows; float32 prefill reads keys
+//   rotated and transposed once per call; decode rotates keys in registers (fused).
 //
 // Any cache strides work; decode is bound by streaming K/V, so the serving backend stores one KV
 // head's rows of a block contiguously (worker/attention.py, block_view). With token-major blocks
