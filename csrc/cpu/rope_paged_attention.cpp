@@ -378,14 +378,18 @@ inline float hsum(__m256 v) {
 }
 
 #ifdef __AVX512F__
-// exp(x) for sixteen x <= 0: exp_nonpositive's method (degree 6) in AVX-512.
-inline __m512 exp_nonpositive16(__m512 x) {
+// exp(x) for sixteen x <= 16: exp_nonpositive's method in AVX-512 (scalef applies 2^i). DEGREE 6
+// for float32 results (relative error about 1e-7); 5 where P is rounded to bfloat16 (about 3e-6,
+// far below bfloat16's 4e-3).
+template <int DEGREE = 6>
+inline __m512 exp16(__m512 x) {
+  static_assert(DEGREE == 5 || DEGREE == 6, "degree 5 or 6");
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
                                  _mm512_set1_ps(1.4426950408889634f));
   const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(0.00015404f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00133336f));
+  __m512 p = _mm512_set1_ps(0.00133336f);
+  if constexpr (DEGREE == 6) p = _mm512_fmadd_ps(_mm512_set1_ps(0.00015404f), f, p);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00961813f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550411f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022652f));
@@ -421,7 +425,7 @@ inline float exp_shifted(float* x, int64_t n, float shift) {
   for (int64_t c16 = 0; c16 < n; c16 += 16) {
     const __mmask16 mk = static_cast<__mmask16>((1u << std::min<int64_t>(n - c16, 16)) - 1u);
     const __m512 e = _mm512_maskz_mov_ps(
-        mk, exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, x + c16), sh16)));
+        mk, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, x + c16), sh16)));
     _mm512_mask_storeu_ps(x + c16, mk, e);
     acc16 = _mm512_add_ps(acc16, e);
   }
@@ -695,23 +699,6 @@ MEPIC_AMX_FN void pack_amx(const KT* k_ptr, const KT* v_ptr, int64_t cb, int64_t
   if (pending != nullptr) put_pair(kk, pending, nullptr);
 }
 
-// exp(x) for sixteen x <= 16, for P rounded to bfloat16: exp_nonpositive's method with a
-// degree-5 polynomial (relative error about 3e-6, far below bfloat16's 4e-3); scalef applies
-// 2^i.
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)),
-                                 _mm512_set1_ps(1.4426950408889634f));
-  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(0.00133336f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00961813f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550411f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022652f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, fi);
-}
-
 
 // O tiles y .. y + NT - 1 (16 columns each) of 16 rows += P [16 x n] V [n keys, packed].
 template <int NT>
@@ -758,8 +745,8 @@ MEPIC_AMX_FN inline bool softmax_step(const float* sr, uint16_t* prow, int64_t n
   total = _mm512_setzero_ps();
   for (int64_t c = 0; c < n; c += 32) {
     const __m512 s0 = _mm512_loadu_ps(sr + c), s1 = _mm512_loadu_ps(sr + c + 16);
-    __m512 e0 = exp16(_mm512_sub_ps(s0, nm));
-    __m512 e1 = exp16(_mm512_sub_ps(s1, nm));
+    __m512 e0 = exp16<5>(_mm512_sub_ps(s0, nm));
+    __m512 e1 = exp16<5>(_mm512_sub_ps(s1, nm));
     if (c + 32 > v) {
       const __mmask16 m0 = static_cast<__mmask16>((1u << std::clamp<int64_t>(v - c, 0, 16)) - 1u);
       const __mmask16 m1 =
@@ -980,11 +967,11 @@ MEPIC_AMX_FN void attend_amx_decode(const WorkItem& w, const QT* q_ptr, int64_t 
       }
       __m512 cmax = mx;
       for (int64_t c = 0; c < n; ++c) cmax = _mm512_max_ps(cmax, _mm512_loadu_ps(st + c * 16));
-      const __m512 alpha = exp16(_mm512_sub_ps(mx, cmax));  // 0 where mx was -inf
+      const __m512 alpha = exp16<5>(_mm512_sub_ps(mx, cmax));  // ~0 after -inf (O, sum 0)
       mx = cmax;
       __m512 csum = _mm512_setzero_ps();
       for (int64_t c = 0; c < n; ++c) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(st + c * 16), cmax));
+        const __m512 e = exp16<5>(_mm512_sub_ps(_mm512_loadu_ps(st + c * 16), cmax));
         csum = _mm512_add_ps(csum, e);
         _mm512_storeu_ps(st + c * 16, e);
       }

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from ascend_mepic.ops import cpu_kernel, rope_paged_attention, select_impl
 from ascend_mepic.ops.reference import rope_paged_attention_reference
-from tests.ops.oracle import Batch, dense_oracle, random_batch
+from tests.ops.oracle import Batch, dense_oracle, nan_outside_real_slots, random_batch
 
 heads = st.sampled_from([(4, 4), (8, 2), (6, 3), (4, 1), (9, 3)])
 
@@ -88,15 +88,7 @@ def test_bf16_paths_match_oracle(amx_path, decode, heads, head, block_size):
 def test_bf16_pad_slots_may_hold_nan(amx_path, decode):
     """No path reads a slot outside a block's valid range (AMX packs only visible keys)."""
     b = random_batch(9, 32, 16, 2, head=64, dtype=torch.bfloat16, decode=decode)
-    want = run(b)
-    m = b.meta
-    real = torch.zeros(b.kv_cache.shape[1:3], dtype=torch.bool)
-    for s in range(m.num_seqs):
-        for j in range(int(m.num_blocks[s])):
-            blk = int(m.block_tables[s, j])
-            real[blk, int(m.block_valid_start[s, j]) : int(m.block_valid_end[s, j])] = True
-    b.kv_cache[:, ~real] = float("nan")
-    torch.testing.assert_close(run(b), want)
+    torch.testing.assert_close(run(nan_outside_real_slots(b)), run(b))
 
 
 def test_isa_names_the_variant_loaded():
@@ -128,15 +120,7 @@ def test_strided_block_major_cache_view():
 @pytest.mark.parametrize("decode", [False, True])
 def test_pad_slots_may_hold_nan(decode):
     b = random_batch(9, 32, 8, 2, decode=decode)
-    want = run(b)
-    m = b.meta
-    real = torch.zeros(b.kv_cache.shape[1:3], dtype=torch.bool)
-    for s in range(m.num_seqs):
-        for j in range(int(m.num_blocks[s])):
-            blk = int(m.block_tables[s, j])
-            real[blk, int(m.block_valid_start[s, j]) : int(m.block_valid_end[s, j])] = True
-    b.kv_cache[:, ~real] = float("nan")
-    torch.testing.assert_close(run(b), want)
+    torch.testing.assert_close(run(nan_outside_real_slots(b)), run(b))
 
 
 def test_dispatch_runs_the_kernel_by_default(monkeypatch):
