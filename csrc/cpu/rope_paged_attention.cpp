@@ -542,6 +542,118 @@ inline void pv_tile512(const float* p, const VT* v, int64_t v_stride, int64_t n,
   for (; x0 + 16 <= d; x0 += 16) pv_slice512<1>(p, v, v_stride, n, d, x0, acc_rows);
   for (; x0 < d; x0 += 8) pv_slice<1>(p, v, v_stride, n, d, x0, acc_rows);
 }
+
+// 32 elements of a K row as two 16-lane float vectors. bfloat16 is float32's upper half, so
+// one 64-byte load holds the 32 elements in pairs: shifting widens the even ones and masking
+// the odd ones, two instructions where widening in order takes four. The vectors are then in
+// "split order" (evens, then odds, per group of 32); float32 rows are in order already.
+inline void load32(const at::BFloat16* x, __m512& a, __m512& b) {
+  const __m512i w = _mm512_loadu_si512(x);
+  a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  b = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void load32(const float* x, __m512& a, __m512& b) {
+  a = _mm512_loadu_ps(x);
+  b = _mm512_loadu_ps(x + 16);
+}
+
+// dst = a float row (d a multiple of 32) in load32's order for KT. Dot products do not depend
+// on the order, so query rows and cos/sin rows put in the keys' order meet them lane by lane.
+template <typename KT>
+inline void to_split_order(const float* __restrict src, float* __restrict dst, int64_t d) {
+  if constexpr (std::is_same_v<KT, float>) {
+    std::copy(src, src + d, dst);
+  } else {
+    for (int64_t g = 0; g < d; g += 32)
+      for (int64_t l = 0; l < 16; ++l) {
+        dst[g + l] = src[g + 2 * l];
+        dst[g + 16 + l] = src[g + 2 * l + 1];
+      }
+  }
+}
+
+// Sums of a 4 x 4 tile of vectors: lane 4r + j of the result is the sum of acc[r][j]'s lanes.
+// Per row, the four keys' vectors are folded into one (a partial sum per 128-bit lane); then
+// the four rows' 128-bit lanes are summed across.
+inline __m512 sum_tile(const __m512 (&acc)[4][4]) {
+  __m512 w[4];
+  for (int r = 0; r < 4; ++r) {
+    const __m512 u = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][0], acc[r][1]),
+                                   _mm512_unpackhi_ps(acc[r][0], acc[r][1]));
+    const __m512 v = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][2], acc[r][3]),
+                                   _mm512_unpackhi_ps(acc[r][2], acc[r][3]));
+    w[r] = _mm512_add_ps(_mm512_shuffle_ps(u, v, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u, v, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(t01, t23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// score_tile_rope with 16-lane vectors, for heads of D = 64 or 128 (NeoX halves, whole groups
+// of 32): four keys at a time, each rotated in registers and dotted with the ROWS rows, the 16
+// (row, key) sums reduced together (sum_tile). q rows (D floats apart) and the cos/sin rows
+// (row c for key c, D floats apart) are in split order for KT. D is a template parameter so
+// that every row offset is an immediate: with a run-time d the compiler ran out of
+// general-purpose registers and spilled the key pointers.
+static_assert(ROWS == 4, "sum_tile reduces four rows");
+template <typename KT, int D>
+inline void score_tile_rope512(const float* __restrict q, const KT* __restrict k,
+                               const KT* __restrict v, int64_t ks, int64_t in_block,
+                               const float* __restrict cs, int64_t n, float* __restrict s) {
+  constexpr int HALF = D / 2;
+  constexpr int ROW_BYTES = D * static_cast<int>(sizeof(KT));
+  for (int64_t c = 0; c < n; c += 4) {
+    // K and V rows 8 keys ahead, while they are in this block.
+    for (int64_t a = c + 8; a < std::min<int64_t>(c + 12, in_block); ++a)
+      for (int b = 0; b < ROW_BYTES; b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k + a * ks) + b, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char*>(v + a * ks) + b, 0, 3);
+      }
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    const KT* kb[4];
+    const float* cb[4];
+    for (int j = 0; j < 4; ++j) {
+      const int64_t key = std::min<int64_t>(c + j, n - 1);  // past n: the last key again
+      kb[j] = k + key * ks;
+      cb[j] = cs + key * D;
+    }
+    for (int x = 0; x < HALF; x += 32) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const KT* kr = kb[j];
+        const float* cr = cb[j];
+        __m512 lo_a, lo_b, hi_a, hi_b;
+        load32(kr + x, lo_a, lo_b);
+        load32(kr + HALF + x, hi_a, hi_b);
+        const __m512 c_a = _mm512_loadu_ps(cr + x), c_b = _mm512_loadu_ps(cr + x + 16);
+        const __m512 s_a = _mm512_loadu_ps(cr + HALF + x);
+        const __m512 s_b = _mm512_loadu_ps(cr + HALF + x + 16);
+        const __m512 rlo_a = _mm512_fnmadd_ps(hi_a, s_a, _mm512_mul_ps(lo_a, c_a));
+        const __m512 rlo_b = _mm512_fnmadd_ps(hi_b, s_b, _mm512_mul_ps(lo_b, c_b));
+        const __m512 rhi_a = _mm512_fmadd_ps(lo_a, s_a, _mm512_mul_ps(hi_a, c_a));
+        const __m512 rhi_b = _mm512_fmadd_ps(lo_b, s_b, _mm512_mul_ps(hi_b, c_b));
+        for (int r = 0; r < 4; ++r) {
+          const float* qr = q + r * D;
+          __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(qr + x), rlo_a, acc[r][j]);
+          t = _mm512_fmadd_ps(_mm512_loadu_ps(qr + x + 16), rlo_b, t);
+          t = _mm512_fmadd_ps(_mm512_loadu_ps(qr + HALF + x), rhi_a, t);
+          acc[r][j] = _mm512_fmadd_ps(_mm512_loadu_ps(qr + HALF + x + 16), rhi_b, t);
+        }
+      }
+    }
+    const __m512 sums = sum_tile(acc);
+    _mm_storeu_ps(s + c, _mm512_extractf32x4_ps(sums, 0));
+    _mm_storeu_ps(s + KEY_CHUNK + c, _mm512_extractf32x4_ps(sums, 1));
+    _mm_storeu_ps(s + 2 * KEY_CHUNK + c, _mm512_extractf32x4_ps(sums, 2));
+    _mm_storeu_ps(s + 3 * KEY_CHUNK + c, _mm512_extractf32x4_ps(sums, 3));
+  }
+}
 #endif
 
 
@@ -1056,6 +1168,14 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
   // One row tile (decode: a query times a GQA group of at most ROWS) with NeoX halves: keys are
   // rotated in registers inside the score loop, no scratch copy.
   const bool fused = tiled && neox && d % 16 == 0 && padded == ROWS;
+#ifdef MEPIC_CPU_AVX512
+  // The fused tile in 16 lanes (d = 64 or 128): its cos/sin rows for key offsets [0, split_rows)
+  // in split order, made as chunks first need them; its query rows in split order per chunk.
+  const bool fused512 = fused && (d == 64 || d == 128);
+  float* split_cs = sc.kt.data();
+  float* split_q = sc.v.data();
+  int64_t split_rows = 0;
+#endif
   float* q = sc.q.data();
   float* qc = sc.qc.data();
   float* kb = sc.k.data();
@@ -1100,6 +1220,19 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
         // are the table's first KEY_CHUNK (cache-resident), not a fresh row per key.
         for (int64_t r = 0; r < rows; ++r)
           rotate_into<float, true>(q + r * d, qc + r * d, cs_chunk, d, true);
+#ifdef MEPIC_CPU_AVX512
+        if (fused512) {
+          for (; split_rows < n; ++split_rows)
+            to_split_order<KT>(cos_sin + split_rows * cs_stride, split_cs + split_rows * d, d);
+          for (int64_t r = 0; r < ROWS; ++r) to_split_order<KT>(qc + r * d, split_q + r * d, d);
+          if (d == 64)
+            score_tile_rope512<KT, 64>(split_q, k_ptr + chunk_off, v_ptr + chunk_off, cs,
+                                       v1 - c0, split_cs, n, s);
+          else
+            score_tile_rope512<KT, 128>(split_q, k_ptr + chunk_off, v_ptr + chunk_off, cs,
+                                        v1 - c0, split_cs, n, s);
+        } else
+#endif
         score_tile_rope(qc, k_ptr + chunk_off, v_ptr + chunk_off, cs, v1 - c0, cos_sin,
                         cs_stride, n, d, s);
       }
