@@ -12,6 +12,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -47,21 +49,58 @@ def _vllm_logged(proc: subprocess.CompletedProcess) -> None:
     assert re.search(r"^(DEBUG|INFO|WARNING) \d\d-\d\d ", proc.stderr, re.M), proc.stderr[-2000:]
 
 
+SCRIPT = (
+    "from ascend_mepic.entrypoints.streams import print_data_only\n"
+    "print_data_only()\n"
+    "import os, logging, vllm\n"
+    "from vllm.logger import init_logger\n"
+    "init_logger('vllm.test').warning('a log line')\n"
+    "os.write(1, b'native write\\n')\n"  # fd 1 from native code lands in the log stream
+    "print('| data |')\n"
+)
+
+
 @pytest.fixture(scope="module")
-def trace_file(tmp_path_factory) -> Path:
+def runs(tmp_path_factory) -> Iterator[dict[str, Future]]:
+    """The module's independent commands, three at a time: each spends most of its time
+    importing vLLM on one core, so in turn they took 90 s of the suite's 30 minutes."""
     from ascend_mepic.eval.prepare import prepare_tiny_llama
 
     prepare_tiny_llama()
-    path = tmp_path_factory.mktemp("streams") / "trace.jsonl"
-    proc = _run([*CLI, "trace", "squad", "--requests", "4", "--chunks", "2", "--tokenizer",
-                 "tiny", "--out", str(path)])  # fmt: skip
+    out = tmp_path_factory.mktemp("streams")
+    commands = {
+        "trace_file": [*CLI, "trace", "squad", "--requests", "4", "--chunks", "2", "--tokenizer",
+                       "tiny", "--out", str(out / "trace.jsonl")],
+        "trace": [*CLI, "trace", "squad", "--requests", "4", "--chunks", "2", "--tokenizer",
+                  "tiny"],
+        "prepare": [*CLI, "prepare", "--model", "tiny"],
+        "workload": [*CLI, "bench", "workload", "--model", "tiny", "--requests", "4",
+                     "--articles", "1", "--points", "2", "--out", str(out / "workload")],
+        "kernels": [*CLI, "bench", "kernels", "--context", "64", "--batch", "1", "--heads", "2",
+                    "--kv-heads", "1", "--head-size", "32", "--block-size", "32", "--dtypes",
+                    "float32", "--repeats", "1", "--no-reference", "--threads", "1"],
+        "compare": [*CLI, "bench", "compare", "--model", "tiny", "--requests", "2", "--chunks",
+                    "1", "--max-tokens", "2", "--articles", "1", "--qps", "50", "--block-size",
+                    "32", "--policies", "mepic", "--out", str(out / "compare")],
+        "script": [sys.executable, "-c", SCRIPT],
+    }  # fmt: skip
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {name: pool.submit(_run, argv) for name, argv in commands.items()}
+        futures["out"] = pool.submit(lambda: out)
+        yield futures
+
+
+@pytest.fixture(scope="module")
+def trace_file(runs: dict[str, Future]) -> Path:
+    proc = runs["trace_file"].result()
+    path = runs["out"].result() / "trace.jsonl"
     assert proc.stdout == ""
     assert len([json.loads(line) for line in path.read_text().splitlines()]) == 4
     return path
 
 
-def test_trace_to_stdout_is_pure_jsonl(trace_file: Path) -> None:
-    proc = _run([*CLI, "trace", "squad", "--requests", "4", "--chunks", "2", "--tokenizer", "tiny"])
+def test_trace_to_stdout_is_pure_jsonl(trace_file: Path, runs: dict[str, Future]) -> None:
+    proc = runs["trace"].result()
     _vllm_logged(proc)
     lines = proc.stdout.splitlines()
     assert [json.loads(line) for line in lines] == [
@@ -80,51 +119,37 @@ def test_kvsim_prints_only_its_table(trace_file: Path, tmp_path: Path) -> None:
     assert {r["placement"] for r in json.loads(out.read_text())} == {"mepic", "private", "prefix"}
 
 
-def test_prepare_prints_only_model_folders() -> None:
-    proc = _run([*CLI, "prepare", "--model", "tiny"])
+def test_prepare_prints_only_model_folders(runs: dict[str, Future]) -> None:
+    proc = runs["prepare"].result()
     (line,) = proc.stdout.splitlines()
     name, path = line.split(": ", 1)
     assert name == "tiny" and Path(path, "config.json").is_file()
 
 
-def test_bench_workload_prints_only_its_report(tmp_path: Path) -> None:
-    proc = _run([*CLI, "bench", "workload", "--model", "tiny", "--requests", "4", "--articles",
-                 "1", "--points", "2", "--out", str(tmp_path)])  # fmt: skip
+def test_bench_workload_prints_only_its_report(runs: dict[str, Future]) -> None:
+    proc = runs["workload"].result()
     _no_log_lines(proc.stdout)
-    assert proc.stdout == (tmp_path / "report.md").read_text()
+    assert proc.stdout == (runs["out"].result() / "workload" / "report.md").read_text()
 
 
-def test_bench_kernels_prints_only_json() -> None:
-    proc = _run([*CLI, "bench", "kernels", "--context", "64", "--batch", "1", "--heads", "2",
-                 "--kv-heads", "1", "--head-size", "32", "--block-size", "32", "--dtypes",
-                 "float32", "--repeats", "1", "--no-reference", "--threads", "1"])  # fmt: skip
+def test_bench_kernels_prints_only_json(runs: dict[str, Future]) -> None:
+    proc = runs["kernels"].result()
     _vllm_logged(proc)
     report = json.loads(proc.stdout)
     assert report["shapes"]["context"] == 64
 
 
-def test_bench_compare_prints_only_its_summary(tmp_path: Path) -> None:
+def test_bench_compare_prints_only_its_summary(runs: dict[str, Future]) -> None:
     """The engine runs in a subprocess of the command; its logs must not reach stdout either."""
-    proc = _run([*CLI, "bench", "compare", "--model", "tiny", "--requests", "2", "--chunks", "1",
-                 "--max-tokens", "2", "--articles", "1", "--qps", "50", "--block-size", "32",
-                 "--policies", "mepic", "--out", str(tmp_path)])  # fmt: skip
+    proc = runs["compare"].result()
     _no_log_lines(proc.stdout)
-    assert proc.stdout == (tmp_path / "summary.md").read_text()
+    assert proc.stdout == (runs["out"].result() / "compare" / "summary.md").read_text()
     assert proc.stdout.startswith("| policy |") and "| mepic |" in proc.stdout
     assert "[bench] compare: mepic" in proc.stderr
 
 
-def test_a_script_printing_data_keeps_vllm_logs_out() -> None:
+def test_a_script_printing_data_keeps_vllm_logs_out(runs: dict[str, Future]) -> None:
     """A benchmark script's pattern (print_data_only, then vLLM imported and used)."""
-    code = (
-        "from ascend_mepic.entrypoints.streams import print_data_only\n"
-        "print_data_only()\n"
-        "import os, logging, vllm\n"
-        "from vllm.logger import init_logger\n"
-        "init_logger('vllm.test').warning('a log line')\n"
-        "os.write(1, b'native write\\n')\n"  # fd 1 from native code lands in the log stream
-        "print('| data |')\n"
-    )
-    proc = _run([sys.executable, "-c", code])
+    proc = runs["script"].result()
     assert proc.stdout == "| data |\n"
     assert "a log line" in proc.stderr and "native write" in proc.stderr
