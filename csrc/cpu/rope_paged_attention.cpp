@@ -516,30 +516,32 @@ inline void rotate_row(const T* __restrict src, float* __restrict dst, const flo
 }
 
 // pv_slice with 16-lane vectors: W x 16 head elements from x0, ROWS rows, keys [0, n).
-template <int W, typename VT>
+template <int W, typename VT, int R = ROWS>
 inline void pv_slice512(const float* __restrict p, const VT* __restrict v, int64_t v_stride,
                         int64_t n, int64_t d, int64_t x0, float* __restrict acc_rows) {
-  __m512 acc[ROWS][W];
-  for (int r = 0; r < ROWS; ++r)
+  __m512 acc[R][W];
+  for (int r = 0; r < R; ++r)
     for (int j = 0; j < W; ++j) acc[r][j] = _mm512_loadu_ps(acc_rows + r * d + x0 + 16 * j);
   for (int64_t c = 0; c < n; ++c) {
     __m512 vv[W];
     for (int j = 0; j < W; ++j) vv[j] = load16(v + c * v_stride + x0 + 16 * j);
-    for (int r = 0; r < ROWS; ++r) {
+    for (int r = 0; r < R; ++r) {
       const __m512 pr = _mm512_set1_ps(p[r * KEY_CHUNK + c]);
       for (int j = 0; j < W; ++j) acc[r][j] = _mm512_fmadd_ps(pr, vv[j], acc[r][j]);
     }
   }
-  for (int r = 0; r < ROWS; ++r)
+  for (int r = 0; r < R; ++r)
     for (int j = 0; j < W; ++j) _mm512_storeu_ps(acc_rows + r * d + x0 + 16 * j, acc[r][j]);
 }
 
-template <typename VT>
+// R < ROWS: only the tile's first R rows are live (decode of a GQA group of 3), the rest
+// skipped rather than multiplied by zero.
+template <typename VT, int R = ROWS>
 inline void pv_tile512(const float* p, const VT* v, int64_t v_stride, int64_t n, int64_t d,
                        float* acc_rows) {
   int64_t x0 = 0;
-  for (; x0 + 64 <= d; x0 += 64) pv_slice512<4>(p, v, v_stride, n, d, x0, acc_rows);
-  for (; x0 + 16 <= d; x0 += 16) pv_slice512<1>(p, v, v_stride, n, d, x0, acc_rows);
+  for (; x0 + 64 <= d; x0 += 64) pv_slice512<4, VT, R>(p, v, v_stride, n, d, x0, acc_rows);
+  for (; x0 + 16 <= d; x0 += 16) pv_slice512<1, VT, R>(p, v, v_stride, n, d, x0, acc_rows);
   for (; x0 < d; x0 += 8) pv_slice<1>(p, v, v_stride, n, d, x0, acc_rows);
 }
 
@@ -600,7 +602,7 @@ inline __m512 sum_tile(const __m512 (&acc)[4][4]) {
 // that every row offset is an immediate: with a run-time d the compiler ran out of
 // general-purpose registers and spilled the key pointers.
 static_assert(ROWS == 4, "sum_tile reduces four rows");
-template <typename KT, int D>
+template <typename KT, int D, int R = ROWS>
 inline void score_tile_rope512(const float* __restrict q, const KT* __restrict k,
                                const KT* __restrict v, int64_t ks, int64_t in_block,
                                const float* __restrict cs, int64_t n, float* __restrict s) {
@@ -638,7 +640,7 @@ inline void score_tile_rope512(const float* __restrict q, const KT* __restrict k
         const __m512 rlo_b = _mm512_fnmadd_ps(hi_b, s_b, _mm512_mul_ps(lo_b, c_b));
         const __m512 rhi_a = _mm512_fmadd_ps(lo_a, s_a, _mm512_mul_ps(hi_a, c_a));
         const __m512 rhi_b = _mm512_fmadd_ps(lo_b, s_b, _mm512_mul_ps(hi_b, c_b));
-        for (int r = 0; r < 4; ++r) {
+        for (int r = 0; r < R; ++r) {  // rows past R stay zero
           const float* qr = q + r * D;
           __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(qr + x), rlo_a, acc[r][j]);
           t = _mm512_fmadd_ps(_mm512_loadu_ps(qr + x + 16), rlo_b, t);
@@ -1225,12 +1227,16 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
           for (; split_rows < n; ++split_rows)
             to_split_order<KT>(cos_sin + split_rows * cs_stride, split_cs + split_rows * d, d);
           for (int64_t r = 0; r < ROWS; ++r) to_split_order<KT>(qc + r * d, split_q + r * d, d);
-          if (d == 64)
-            score_tile_rope512<KT, 64>(split_q, k_ptr + chunk_off, v_ptr + chunk_off, cs,
-                                       v1 - c0, split_cs, n, s);
+          const KT* kc = k_ptr + chunk_off;
+          const KT* vc = v_ptr + chunk_off;
+          if (d == 64 && rows == 3)
+            score_tile_rope512<KT, 64, 3>(split_q, kc, vc, cs, v1 - c0, split_cs, n, s);
+          else if (d == 64)
+            score_tile_rope512<KT, 64>(split_q, kc, vc, cs, v1 - c0, split_cs, n, s);
+          else if (rows == 3)
+            score_tile_rope512<KT, 128, 3>(split_q, kc, vc, cs, v1 - c0, split_cs, n, s);
           else
-            score_tile_rope512<KT, 128>(split_q, k_ptr + chunk_off, v_ptr + chunk_off, cs,
-                                        v1 - c0, split_cs, n, s);
+            score_tile_rope512<KT, 128>(split_q, kc, vc, cs, v1 - c0, split_cs, n, s);
         } else
 #endif
         score_tile_rope(qc, k_ptr + chunk_off, v_ptr + chunk_off, cs, v1 - c0, cos_sin,
@@ -1333,7 +1339,10 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
         if (reach == 0) continue;
 #ifdef MEPIC_CPU_AVX512
         if (tiled) {
-          pv_tile512(s + r * KEY_CHUNK, v_ptr + chunk_off, cs, reach, d, out_rows + r * d);
+          if (rows == 3)
+            pv_tile512<KT, 3>(s + r * KEY_CHUNK, v_ptr + chunk_off, cs, reach, d, out_rows);
+          else
+            pv_tile512(s + r * KEY_CHUNK, v_ptr + chunk_off, cs, reach, d, out_rows + r * d);
           continue;
         }
 #endif
