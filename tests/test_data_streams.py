@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -60,10 +61,21 @@ SCRIPT = (
 )
 
 
+@dataclass
+class Runs:
+    """The module's commands, started together; ``out`` holds their --out files."""
+
+    out: Path
+    futures: dict[str, Future]
+
+    def result(self, name: str) -> subprocess.CompletedProcess:
+        return self.futures[name].result()
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Iterator[dict[str, Future]]:
-    """The module's independent commands, three at a time: each spends most of its time
-    importing vLLM on one core, so in turn they took 90 s of the suite's 30 minutes."""
+def runs(tmp_path_factory) -> Iterator[Runs]:
+    """The independent commands three at a time: each spends most of its time importing vLLM
+    on one core, so one after another they took about two minutes of the suite."""
     from ascend_mepic.eval.prepare import prepare_tiny_llama
 
     prepare_tiny_llama()
@@ -85,22 +97,20 @@ def runs(tmp_path_factory) -> Iterator[dict[str, Future]]:
         "script": [sys.executable, "-c", SCRIPT],
     }  # fmt: skip
     with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {name: pool.submit(_run, argv) for name, argv in commands.items()}
-        futures["out"] = pool.submit(lambda: out)
-        yield futures
+        yield Runs(out, {name: pool.submit(_run, argv) for name, argv in commands.items()})
 
 
 @pytest.fixture(scope="module")
-def trace_file(runs: dict[str, Future]) -> Path:
-    proc = runs["trace_file"].result()
-    path = runs["out"].result() / "trace.jsonl"
+def trace_file(runs: Runs) -> Path:
+    proc = runs.result("trace_file")
+    path = runs.out / "trace.jsonl"
     assert proc.stdout == ""
     assert len([json.loads(line) for line in path.read_text().splitlines()]) == 4
     return path
 
 
-def test_trace_to_stdout_is_pure_jsonl(trace_file: Path, runs: dict[str, Future]) -> None:
-    proc = runs["trace"].result()
+def test_trace_to_stdout_is_pure_jsonl(trace_file: Path, runs: Runs) -> None:
+    proc = runs.result("trace")
     _vllm_logged(proc)
     lines = proc.stdout.splitlines()
     assert [json.loads(line) for line in lines] == [
@@ -119,37 +129,37 @@ def test_kvsim_prints_only_its_table(trace_file: Path, tmp_path: Path) -> None:
     assert {r["placement"] for r in json.loads(out.read_text())} == {"mepic", "private", "prefix"}
 
 
-def test_prepare_prints_only_model_folders(runs: dict[str, Future]) -> None:
-    proc = runs["prepare"].result()
+def test_prepare_prints_only_model_folders(runs: Runs) -> None:
+    proc = runs.result("prepare")
     (line,) = proc.stdout.splitlines()
     name, path = line.split(": ", 1)
     assert name == "tiny" and Path(path, "config.json").is_file()
 
 
-def test_bench_workload_prints_only_its_report(runs: dict[str, Future]) -> None:
-    proc = runs["workload"].result()
+def test_bench_workload_prints_only_its_report(runs: Runs) -> None:
+    proc = runs.result("workload")
     _no_log_lines(proc.stdout)
-    assert proc.stdout == (runs["out"].result() / "workload" / "report.md").read_text()
+    assert proc.stdout == (runs.out / "workload" / "report.md").read_text()
 
 
-def test_bench_kernels_prints_only_json(runs: dict[str, Future]) -> None:
-    proc = runs["kernels"].result()
+def test_bench_kernels_prints_only_json(runs: Runs) -> None:
+    proc = runs.result("kernels")
     _vllm_logged(proc)
     report = json.loads(proc.stdout)
     assert report["shapes"]["context"] == 64
 
 
-def test_bench_compare_prints_only_its_summary(runs: dict[str, Future]) -> None:
+def test_bench_compare_prints_only_its_summary(runs: Runs) -> None:
     """The engine runs in a subprocess of the command; its logs must not reach stdout either."""
-    proc = runs["compare"].result()
+    proc = runs.result("compare")
     _no_log_lines(proc.stdout)
-    assert proc.stdout == (runs["out"].result() / "compare" / "summary.md").read_text()
+    assert proc.stdout == (runs.out / "compare" / "summary.md").read_text()
     assert proc.stdout.startswith("| policy |") and "| mepic |" in proc.stdout
     assert "[bench] compare: mepic" in proc.stderr
 
 
-def test_a_script_printing_data_keeps_vllm_logs_out(runs: dict[str, Future]) -> None:
+def test_a_script_printing_data_keeps_vllm_logs_out(runs: Runs) -> None:
     """A benchmark script's pattern (print_data_only, then vLLM imported and used)."""
-    proc = runs["script"].result()
+    proc = runs.result("script")
     assert proc.stdout == "| data |\n"
     assert "a log line" in proc.stderr and "native write" in proc.stderr

@@ -6,6 +6,8 @@ serving path would fall back to the reference, see ``ascend_mepic.ops.cpu_kernel
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -59,6 +61,21 @@ def test_bf16_cache_and_query(decode, heads, head):
     """(9, 3) decode takes the fused path (keys rotated in registers, values widened there)."""
     b = random_batch(4, 128, *heads, head=head, dtype=torch.bfloat16, decode=decode)
     check(run(b), b, 2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(8, 2), (9, 3)])
+@pytest.mark.parametrize("head", [64, 128])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fp32_decode_16_lane_tile(cache_dtype, heads, head, splits):
+    """float32 queries in decode at heads of 64 and 128 (the 16-lane fused tile; GQA groups of
+    4 and of 3, which skip the padding row), over a float32 or bfloat16 cache (bfloat16 keys
+    in split order), split or not, against the float64 oracle at float32 tolerance."""
+    b = random_batch(21, 24, *heads, head=head, decode=True)
+    cache = b.kv_cache.to(cache_dtype)
+    out = run(replace(b, kv_cache=cache), num_splits=splits)
+    want = dense_oracle(b.query, cache.float(), b.meta, b.base, b.rope.is_neox_style, b.scale)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture(params=[True, False], ids=["amx", "vector"])
