@@ -218,17 +218,36 @@ inline int64_t work_cost(const WorkItem& w, const Meta& m) {
 constexpr int64_t KEY_CHUNK = 64;
 
 // Scratch of one thread: rotated queries, a chunk of rotated keys and of values (row-major),
-// the chunk's scores.
+// the chunk's scores, and its work item's outputs. Each thread keeps its own across calls,
+// grown to the largest call so far and never shrunk: allocating (and zero-filling) it per call
+// cost about 20 us of page faults, more than a short decode step's attention.
 constexpr int64_t AMX_STEP = 256;  // keys per softmax step of the AMX path
 
+template <typename T>
+inline void grow(Buffer<T>& b, int64_t n) {
+  if (static_cast<int64_t>(b.size()) < n) b.resize(n);
+}
+
 struct Scratch {
-  Buffer<float> q, qc, k, kt, v, s, amx_s;
+  Buffer<float> q, qc, k, kt, v, s, amx_s, own, own_mx, own_sm;
   Buffer<uint16_t> amx_p;
-  Scratch(int64_t rows, int64_t d)
-      : q(rows * d), qc(rows * d), k(KEY_CHUNK * d), kt(KEY_CHUNK * d), v(KEY_CHUNK * d),
-        s(rows * KEY_CHUNK), amx_s((rows + 15) / 16 * 16 * AMX_STEP),
-        amx_p((rows + 15) / 16 * 16 * AMX_STEP) {}
+  void reserve(int64_t rows, int64_t d) {
+    const int64_t tiles = (rows + 15) / 16 * 16;
+    for (Buffer<float>* b : {&q, &qc, &own}) grow(*b, rows * d);
+    for (Buffer<float>* b : {&k, &kt, &v}) grow(*b, KEY_CHUNK * d);
+    for (Buffer<float>* b : {&own_mx, &own_sm}) grow(*b, rows);
+    grow(s, rows * KEY_CHUNK);
+    grow(amx_s, tiles * AMX_STEP);
+    grow(amx_p, tiles * AMX_STEP);
+  }
 };
+
+// This thread's scratch, sized for `rows` rows of d.
+Scratch& thread_scratch(int64_t rows, int64_t d) {
+  static thread_local Scratch scratch;
+  scratch.reserve(rows, d);
+  return scratch;
+}
 
 // Score and P.V micro-kernels. Each works on a tile of ROWS rows (queries times the GQA group
 // sharing the KV head, padded with zero rows), so every rotated key and every value row loaded
@@ -594,6 +613,89 @@ inline __m512 sum_tile(const __m512 (&acc)[4][4]) {
                                    _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 2, 3, 2)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(t01, t23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// [op-reduce(a), op-reduce(b), op-reduce(c), op-reduce(d)] of four 16-lane vectors, in one
+// shuffle tree (four separate reductions cost three times the shuffles and serialise).
+template <typename Op>
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d, Op op) {
+  const __m512 ab = op(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = op(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 w = op(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                      _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 h = op(_mm512_castps512_ps256(w),
+                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
+  return op(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// The online-softmax step of one chunk for a tile of four rows (s: their KEY_CHUNK scores;
+// vis[u]: keys visible to row u, 0 for padding rows and rows whose queries precede the chunk).
+// The rows' maxima, rescalings and sums go through the tile at once, in vectors of four: row
+// by row, the horizontal reductions and a scalar exp per row were a quarter of a float32
+// prefill. Scores become probabilities, zero past each row's visible keys.
+inline void softmax_tile512(float* __restrict s, const int64_t* vis, float* __restrict row_max,
+                            float* __restrict row_sum, float* __restrict acc_rows, int64_t d) {
+  const auto vmax = [](auto x, auto y) {
+    if constexpr (sizeof(x) == 64) return _mm512_max_ps(x, y);
+    else if constexpr (sizeof(x) == 32) return _mm256_max_ps(x, y);
+    else return _mm_max_ps(x, y);
+  };
+  const auto vadd = [](auto x, auto y) {
+    if constexpr (sizeof(x) == 64) return _mm512_add_ps(x, y);
+    else if constexpr (sizeof(x) == 32) return _mm256_add_ps(x, y);
+    else return _mm_add_ps(x, y);
+  };
+  const __m512 neg = _mm512_set1_ps(NEG_INF);
+  __mmask16 keep[4][4];
+  __m512 peak[4];
+  for (int u = 0; u < 4; ++u) {
+    peak[u] = neg;
+    for (int j = 0; j < 4; ++j) {
+      const int64_t left = std::clamp<int64_t>(vis[u] - 16 * j, 0, 16);
+      keep[u][j] = static_cast<__mmask16>((1u << left) - 1u);
+      peak[u] = _mm512_max_ps(
+          peak[u], _mm512_mask_loadu_ps(neg, keep[u][j], s + u * KEY_CHUNK + 16 * j));
+    }
+  }
+  // Rows with no visible key keep their maximum (-inf until a key shows up).
+  const __m128 old_max = _mm_loadu_ps(row_max);
+  const __m128 new_max = _mm_max_ps(old_max, reduce4(peak[0], peak[1], peak[2], peak[3], vmax));
+  // alpha = exp(old - new): 0 on a row's first keys (old = -inf), 1 where the maximum held.
+  const __m128 diff = _mm_sub_ps(old_max, new_max);
+  __m128 alpha = _mm512_castps512_ps128(exp16(_mm512_castps128_ps512(diff)));
+  alpha = _mm_blendv_ps(alpha, _mm_setzero_ps(), _mm_cmpeq_ps(old_max, _mm_set1_ps(NEG_INF)));
+  alpha = _mm_blendv_ps(alpha, _mm_set1_ps(1.f), _mm_cmpeq_ps(diff, _mm_setzero_ps()));
+  alignas(16) float a[4], nm[4];
+  _mm_store_ps(a, alpha);
+  _mm_store_ps(nm, new_max);
+  __m512 total[4];
+  for (int u = 0; u < 4; ++u) {
+    total[u] = _mm512_setzero_ps();
+    float* sr = s + u * KEY_CHUNK;
+    if (vis[u] <= 0) {
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sr + 16 * j, _mm512_setzero_ps());
+      a[u] = 1.f;
+      continue;
+    }
+    if (a[u] != 1.f) {
+      const __m512 av = _mm512_set1_ps(a[u]);
+      float* acc = acc_rows + u * d;
+      int64_t x = 0;
+      for (; x + 16 <= d; x += 16)
+        _mm512_storeu_ps(acc + x, _mm512_mul_ps(av, _mm512_loadu_ps(acc + x)));
+      for (; x < d; ++x) acc[x] *= a[u];
+    }
+    const __m512 m = _mm512_set1_ps(nm[u]);
+    for (int j = 0; j < 4; ++j) {
+      const __m512 e = _mm512_maskz_mov_ps(
+          keep[u][j], exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * j), m)));
+      _mm512_storeu_ps(sr + 16 * j, e);
+      total[u] = _mm512_add_ps(total[u], e);
+    }
+  }
+  const __m128 sums = reduce4(total[0], total[1], total[2], total[3], vadd);
+  _mm_storeu_ps(row_sum, _mm_fmadd_ps(_mm_loadu_ps(row_sum), _mm_load_ps(a), sums));
+  _mm_storeu_ps(row_max, new_max);
 }
 
 // score_tile_rope with 16-lane vectors, for heads of D = 64 or 128 (NeoX halves, whole groups
@@ -1153,6 +1255,46 @@ inline void pv_tile_generic(const float* p, const float* v, int64_t v_stride, in
 // One work item: online softmax of its rows over block-table entries [entry_begin, entry_end),
 // KEY_CHUNK keys at a time: the chunk's keys are rotated into scratch, scored against every row
 // tile, the softmax updated per row, and the values accumulated per row tile.
+// The online-softmax step of one chunk, row by row (s: the rows' KEY_CHUNK scores; vis[r]:
+// keys visible to row r). Scores become probabilities, zero past each row's visible keys.
+inline void softmax_rows(float* s, const int64_t* vis, int64_t rows, int64_t n, float* row_max,
+                         float* row_sum, float* out_rows, int64_t d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * KEY_CHUNK;
+    if (vis[r] <= 0) {
+      std::fill(sr, sr + n, 0.f);
+      continue;
+    }
+#ifdef MEPIC_CPU_AVX2
+    const float mx = max_of(sr, vis[r]);
+#else
+    float mx = NEG_INF;
+#pragma omp simd reduction(max : mx)
+    for (int64_t c = 0; c < vis[r]; ++c) mx = std::max(mx, sr[c]);
+#endif
+    const float new_max = std::max(row_max[r], mx);
+    const float alpha = std::exp(row_max[r] - new_max);  // 0 on the row's first keys
+    if (alpha != 1.f) {
+      float* acc = out_rows + r * d;
+#pragma omp simd
+      for (int64_t x = 0; x < d; ++x) acc[x] *= alpha;
+    }
+#ifdef MEPIC_CPU_AVX2
+    const float total = exp_shifted(sr, vis[r], new_max);
+#else
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t c = 0; c < vis[r]; ++c) {
+      sr[c] = exp_nonpositive(sr[c] - new_max);
+      total += sr[c];
+    }
+#endif
+    std::fill(sr + vis[r], sr + n, 0.f);
+    row_sum[r] = row_sum[r] * alpha + total;
+    row_max[r] = new_max;
+  }
+}
+
 template <typename QT, typename KT>
 void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const KT* k_ptr,
             const KT* v_ptr, int64_t cb, int64_t cs, int64_t ch, const Meta& m,
@@ -1298,42 +1440,17 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
       }
       // Online softmax per row; causal in layout order (keys after the row's query hidden).
       for (int64_t r = 0; r < padded; ++r) {
-        float* sr = s + r * KEY_CHUNK;
         const int64_t vis =
             r < rows ? std::min<int64_t>(n, m.q_idx[w.q_begin + r / group] - base - c0 + 1) : 0;
         visible[r] = std::max<int64_t>(vis, 0);
-        if (vis <= 0) {
-          std::fill(sr, sr + n, 0.f);
-          continue;
-        }
-#ifdef MEPIC_CPU_AVX2
-        const float mx = max_of(sr, vis);
-#else
-        float mx = NEG_INF;
-#pragma omp simd reduction(max : mx)
-        for (int64_t c = 0; c < vis; ++c) mx = std::max(mx, sr[c]);
-#endif
-        const float new_max = std::max(row_max[r], mx);
-        const float alpha = std::exp(row_max[r] - new_max);  // 0 on the row's first keys
-        if (alpha != 1.f) {
-          float* acc = out_rows + r * d;
-#pragma omp simd
-          for (int64_t x = 0; x < d; ++x) acc[x] *= alpha;
-        }
-#ifdef MEPIC_CPU_AVX2
-        const float total = exp_shifted(sr, vis, new_max);
-#else
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t c = 0; c < vis; ++c) {
-          sr[c] = exp_nonpositive(sr[c] - new_max);
-          total += sr[c];
-        }
-#endif
-        std::fill(sr + vis, sr + n, 0.f);
-        row_sum[r] = row_sum[r] * alpha + total;
-        row_max[r] = new_max;
       }
+#ifdef MEPIC_CPU_AVX512
+      for (int64_t r = 0; r < padded; r += ROWS)
+        softmax_tile512(s + r * KEY_CHUNK, visible.data() + r, row_max + r, row_sum + r,
+                        out_rows + r * d, d);
+#else
+      softmax_rows(s, visible.data(), padded, n, row_max, row_sum, out_rows, d);
+#endif
       for (int64_t r = 0; r < padded; r += ROWS) {
         int64_t reach = 0;
         for (int64_t u = 0; u < ROWS; ++u) reach = std::max(reach, visible[r + u]);
@@ -1376,7 +1493,9 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
 
   const std::vector<WorkItem> work = plan_work(m, hkv, splits);
   const int64_t n = static_cast<int64_t>(work.size());
-  const int64_t max_rows = (QUERY_TILE * group + ROWS - 1) / ROWS * ROWS;
+  int64_t max_rows = ROWS;  // the widest item's rows, padded to whole row tiles
+  for (const WorkItem& w : work)
+    max_rows = std::max<int64_t>(max_rows, ((w.q_end - w.q_begin) * group + ROWS - 1) / ROWS * ROWS);
   // Per work item: its rows' outputs (unnormalised), maxima and sums, merged below.
   // Items of a split decode sequence keep their rows' unnormalised outputs, maxima and sums
   // for the merge below; every other item writes its normalised rows itself.
@@ -1384,7 +1503,15 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
   int64_t slots = 0;
   for (int64_t i = 0; i < n; ++i)
     if (work[i].split >= 0) slot[i] = slots++;
-  Buffer<float> acc(slots * max_rows * d), mx(slots * max_rows), sm(slots * max_rows);
+  // Reused across calls by the calling thread, like the scratch (the OpenMP threads use the
+  // pointers: the names would be their own thread_local buffers).
+  static thread_local Buffer<float> merge_acc, merge_mx, merge_sm;
+  grow(merge_acc, slots * max_rows * d);
+  grow(merge_mx, slots * max_rows);
+  grow(merge_sm, slots * max_rows);
+  float* const acc = merge_acc.data();
+  float* const mx = merge_mx.data();
+  float* const sm = merge_sm.data();
   // Items run largest first and are handed out one at a time, so causal prefill tiles (whose
   // cost grows with their position) and uneven sequences spread evenly over the threads.
   std::vector<int64_t> order(n);
@@ -1537,16 +1664,18 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
 #endif
 #pragma omp parallel num_threads(threads)
   {
-    Scratch scratch(max_rows, d);
-    Buffer<float> own(max_rows * d), own_mx(max_rows), own_sm(max_rows);
+    Scratch& scratch = thread_scratch(max_rows, d);
+    float* own = scratch.own.data();
+    float* own_mx = scratch.own_mx.data();
+    float* own_sm = scratch.own_sm.data();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t o = 0; o < n; ++o) {
       const int64_t i = order[o];
       const WorkItem& w = work[i];
       const bool split = slot[i] >= 0;
-      float* rows_out = split ? acc.data() + slot[i] * max_rows * d : own.data();
-      float* rows_mx = split ? mx.data() + slot[i] * max_rows : own_mx.data();
-      float* rows_sm = split ? sm.data() + slot[i] * max_rows : own_sm.data();
+      float* rows_out = split ? acc + slot[i] * max_rows * d : own;
+      float* rows_mx = split ? mx + slot[i] * max_rows : own_mx;
+      float* rows_sm = split ? sm + slot[i] * max_rows : own_sm;
       bool done = false;
 #if defined(MEPIC_CPU_AMX) && defined(MEPIC_CPU_AVX512)
       AmxPack pk;
@@ -1614,7 +1743,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
           if (m_p == NEG_INF) continue;
           const float wgt = std::exp(m_p - best);
           total += wgt * sm[p * max_rows + r];
-          axpy(wgt, acc.data() + (p * max_rows + r) * d, row.data(), d);
+          axpy(wgt, acc + (p * max_rows + r) * d, row.data(), d);
         }
       }
       const float inv = total > 0.f ? 1.f / total : 0.f;  // no visible key: 0
