@@ -175,8 +175,12 @@ def rope_paged_attention(
     meta: PagedRopeMetadata,
     rope: RopeSpec,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of scattered, un-rotated queries over un-rotated paged KV, RoPE fused at read."""
+    """Attention of scattered, un-rotated queries over un-rotated paged KV, RoPE fused at read.
+
+    ``out`` (``[T, Hq, D]``, the query's dtype): where the rows go; returned. The native CPU
+    kernel writes it directly; the other implementations' result is copied in."""
     hq, hkv = query.shape[1], kv_cache.shape[3]
     if hq % hkv:
         raise ValueError(f"query heads {hq} must be a multiple of KV heads {hkv}")
@@ -186,16 +190,22 @@ def rope_paged_attention(
         )
     # Chosen once per step (the metadata is shared by every layer), keyed by what decides it.
     key = ("impl", query.device.type, query.dtype, kv_cache.dtype, os.environ.get(IMPL_ENV))
-    fn = meta.memo.get(key)
-    if fn is None:
+    chosen = meta.memo.get(key)
+    if chosen is None:
         impl = select_impl(query.device, query.shape[2], query.dtype)
         if impl == "cpu" and not os.environ.get(IMPL_ENV):
             from ascend_mepic.ops import cpu_kernel
 
             if not cpu_kernel.supports(query.dtype, kv_cache.dtype):
                 impl = "reference"  # e.g. float16 on CPU: the kernel takes fp32 and bf16
-        fn = meta.memo[key] = get_attention_fn(impl)
-    return fn(query, kv_cache, meta, rope, scale)
+        # The native CPU kernel writes `out` itself; the others' result is copied in.
+        chosen = meta.memo[key] = (get_attention_fn(impl), impl == "cpu")
+    fn, writes_out = chosen
+    if out is None:
+        return fn(query, kv_cache, meta, rope, scale)
+    if writes_out:
+        return fn(query, kv_cache, meta, rope, scale, out=out)
+    return out.copy_(fn(query, kv_cache, meta, rope, scale))
 
 
 __all__ = [

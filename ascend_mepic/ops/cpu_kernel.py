@@ -280,8 +280,12 @@ def rope_paged_attention_cpu(
     scale: float,
     *,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fused-RoPE paged attention on CPU; same contract and result as the torch reference."""
+    """Fused-RoPE paged attention on CPU; same contract and result as the torch reference.
+
+    ``out`` (``[T, Hq, D]``, the query's dtype): written in place and returned, so the engine's
+    output buffer takes the rows directly (no fresh tensor per call, no copy after)."""
     if not load():
         raise RuntimeError("the native CPU kernel is not available (see the error logged above)")
     for name, t in (("query", query), ("kv_cache", kv_cache)):
@@ -291,6 +295,25 @@ def rope_paged_attention_cpu(
     if cos_sin is None:
         cos_sin = meta.memo["cpu-cos-sin"] = rope.cos_sin_cache.float().contiguous()
     splits = num_splits or decode_splits(meta, kv_cache.shape[3])
+    if out is not None:
+        torch.ops.ascend_mepic.rope_paged_attention_out(
+            query,
+            kv_cache,
+            meta.query_start_loc,
+            meta.query_positions,
+            meta.query_indices,
+            meta.block_tables,
+            meta.num_blocks,
+            meta.block_first_pos,
+            meta.block_valid_start,
+            meta.block_valid_end,
+            cos_sin,
+            bool(rope.is_neox_style),
+            float(scale),
+            splits,
+            out,
+        )
+        return out
     return torch.ops.ascend_mepic.rope_paged_attention(
         query,
         kv_cache,

@@ -227,8 +227,10 @@ class MepicAttentionImpl(AttentionImpl):
             n, paged = len(state.keep), state.metadata
         q = query[:n].view(n, self.num_heads, self.head_size)
         view = self.cache_view(kv_cache)
-        out = rope_paged_attention(q, view, paged, self.rope(), self.scale)
-        output[:n] = out.reshape(output[:n].shape)
+        rope_paged_attention(
+            q, view, paged, self.rope(), self.scale,
+            out=output[:n].view(n, self.num_heads, self.head_size),
+        )  # fmt: skip
         return output
 
 

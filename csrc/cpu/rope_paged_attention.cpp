@@ -1255,6 +1255,16 @@ inline void pv_tile_generic(const float* p, const float* v, int64_t v_stride, in
 // One work item: online softmax of its rows over block-table entries [entry_begin, entry_end),
 // KEY_CHUNK keys at a time: the chunk's keys are rotated into scratch, scored against every row
 // tile, the softmax updated per row, and the values accumulated per row tile.
+// Part `part` of `parts` of a span of `rows` rows (row_bytes each, stride apart), prefetched:
+// a prefill's row tiles each fetch a share of the next chunk's K or V, so that its first tile
+// does not wait on L3 (the chunk's 16-32 KB then stay in L1 for the tiles after it).
+inline void prefetch_share(const void* base, int64_t stride, int64_t rows, int64_t row_bytes,
+                           int64_t part, int64_t parts) {
+  const char* b = static_cast<const char*>(base);
+  for (int64_t r = rows * part / parts; r < rows * (part + 1) / parts; ++r)
+    for (int64_t x = 0; x < row_bytes; x += 64) _mm_prefetch(b + r * stride + x, _MM_HINT_T0);
+}
+
 // The online-softmax step of one chunk, row by row (s: the rows' KEY_CHUNK scores; vis[r]:
 // keys visible to row r). Scores become probabilities, zero past each row's visible keys.
 inline void softmax_rows(float* s, const int64_t* vis, int64_t rows, int64_t n, float* row_max,
@@ -1358,6 +1368,20 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
       const int64_t n4 = (n + 3) / 4 * 4;
       const int64_t chunk_off = blk * cb + c0 * cs + static_cast<int64_t>(w.kv_head) * ch;
       const float* cs_chunk = cos_sin + static_cast<int64_t>(first + c0 - v0) * cs_stride;
+      // The next chunk's values: the rest of this block, else the next entry's first keys.
+      const KT* v_next = nullptr;
+      int64_t n_next = 0;
+      if (c0 + KEY_CHUNK < v1) {
+        v_next = v_ptr + chunk_off + KEY_CHUNK * cs;
+        n_next = std::min<int64_t>(KEY_CHUNK, v1 - c0 - KEY_CHUNK);
+      } else if (j + 1 < w.entry_end) {
+        const int32_t s0 = m.vstart[meta_row + j + 1];
+        v_next = v_ptr + m.tables[meta_row + j + 1] * cb + s0 * cs +
+                 static_cast<int64_t>(w.kv_head) * ch;
+        n_next = std::max<int64_t>(0, std::min<int64_t>(KEY_CHUNK, m.vend[meta_row + j + 1] - s0));
+      }
+      const int64_t row_tiles = padded / ROWS;
+      const bool ahead = row_tiles >= 4;  // prefill: many tiles share each chunk
 #ifdef MEPIC_CPU_AVX2
       if (fused) {
         // Key c sits at position p0 + c and R(p0 + c) = R(p0) R(c): the rows are turned back
@@ -1390,7 +1414,13 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
       if (packed_kt != nullptr) {
         // The sequence's keys were rotated and transposed once for all its query tiles.
         const float* kt = packed_kt + (chunk_base[j] + (c0 - v0) / KEY_CHUNK) * d * KEY_CHUNK;
-        for (int64_t r = 0; r < padded; r += ROWS) score_tile_t512(q + r * d, kt, d, s + r * KEY_CHUNK);
+        for (int64_t r = 0; r < padded; r += ROWS) {
+          // The next chunk's transposed keys follow this one's in the pack.
+          if (ahead)
+            prefetch_share(kt + d * KEY_CHUNK, KEY_CHUNK * sizeof(float), d,
+                           KEY_CHUNK * sizeof(float), r / ROWS, row_tiles);
+          score_tile_t512(q + r * d, kt, d, s + r * KEY_CHUNK);
+        }
       } else
 #endif
       if (!fused) {
@@ -1452,6 +1482,8 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
       softmax_rows(s, visible.data(), padded, n, row_max, row_sum, out_rows, d);
 #endif
       for (int64_t r = 0; r < padded; r += ROWS) {
+        if (ahead && v_next != nullptr)
+          prefetch_share(v_next, cs * sizeof(KT), n_next, d * sizeof(KT), r / ROWS, row_tiles);
         int64_t reach = 0;
         for (int64_t u = 0; u < ROWS; ++u) reach = std::max(reach, visible[r + u]);
         if (reach == 0) continue;
@@ -1763,15 +1795,16 @@ at::Tensor contiguous_int32(const at::Tensor& t) {
 }  // namespace
 
 // query [T, Hq, D]; kv_cache [2, num_blocks, B, Hkv, D] (any strides, last dim contiguous);
-// cos_sin_cache [max_pos, D] (cos | sin); metadata as in ascend_mepic/ops/metadata.py.
-at::Tensor rope_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
-                                const at::Tensor& query_start_loc,
-                                const at::Tensor& query_positions,
-                                const at::Tensor& query_indices, const at::Tensor& block_tables,
-                                const at::Tensor& num_blocks, const at::Tensor& block_first_pos,
-                                const at::Tensor& block_valid_start,
-                                const at::Tensor& block_valid_end, const at::Tensor& cos_sin_cache,
-                                bool is_neox, double scale, int64_t num_splits) {
+// cos_sin_cache [max_pos, D] (cos | sin); metadata as in ascend_mepic/ops/metadata.py. The
+// rows go to `out` ([T, Hq, D], the query's dtype, last dim contiguous) when it is defined,
+// else to a new tensor; either is returned.
+at::Tensor attention_into(const at::Tensor& query, const at::Tensor& kv_cache,
+                          const at::Tensor& query_start_loc, const at::Tensor& query_positions,
+                          const at::Tensor& query_indices, const at::Tensor& block_tables,
+                          const at::Tensor& num_blocks, const at::Tensor& block_first_pos,
+                          const at::Tensor& block_valid_start, const at::Tensor& block_valid_end,
+                          const at::Tensor& cos_sin_cache, bool is_neox, double scale,
+                          int64_t num_splits, at::Tensor out) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
               "query [T, Hq, D] and kv_cache [2, num_blocks, B, Hkv, D] expected");
@@ -1781,7 +1814,15 @@ at::Tensor rope_paged_attention(const at::Tensor& query, const at::Tensor& kv_ca
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(kv_cache.stride(4) == 1, "the cache's head dimension must be contiguous");
   const at::Tensor q = query.stride(2) == 1 ? query : query.contiguous();
-  at::Tensor out = at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.defined()) {
+    TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == q.scalar_type() &&
+                    out.sizes() == q.sizes() && out.stride(2) == 1,
+                "out must be a CPU tensor of the query's shape ", q.sizes(), " and dtype ",
+                q.scalar_type(), " with a contiguous last dimension; got ", out.sizes(), " ",
+                out.scalar_type());
+  } else {
+    out = at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
+  }
   if (q.size(0) == 0) return out;
   const at::Tensor cs = cos_sin_cache.to(at::kFloat).contiguous();
   const at::Tensor loc = contiguous_int32(query_start_loc), pos = contiguous_int32(query_positions),
@@ -1807,6 +1848,35 @@ at::Tensor rope_paged_attention(const at::Tensor& query, const at::Tensor& kv_ca
   else
     run<at::BFloat16, at::BFloat16>(q, kv_cache, m, cs_ptr, d, is_neox, sc, out, num_splits);
   return out;
+}
+
+at::Tensor rope_paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                                const at::Tensor& query_start_loc,
+                                const at::Tensor& query_positions,
+                                const at::Tensor& query_indices, const at::Tensor& block_tables,
+                                const at::Tensor& num_blocks, const at::Tensor& block_first_pos,
+                                const at::Tensor& block_valid_start,
+                                const at::Tensor& block_valid_end, const at::Tensor& cos_sin_cache,
+                                bool is_neox, double scale, int64_t num_splits) {
+  return attention_into(query, kv_cache, query_start_loc, query_positions, query_indices,
+                        block_tables, num_blocks, block_first_pos, block_valid_start,
+                        block_valid_end, cos_sin_cache, is_neox, scale, num_splits, at::Tensor());
+}
+
+// rope_paged_attention into the caller's buffer (the attention layer's output): no fresh
+// tensor per call (page faults, 32 MB for a float32 prefill of 2k tokens at 32 x 128) and no
+// copy after.
+void rope_paged_attention_out(const at::Tensor& query, const at::Tensor& kv_cache,
+                              const at::Tensor& query_start_loc, const at::Tensor& query_positions,
+                              const at::Tensor& query_indices, const at::Tensor& block_tables,
+                              const at::Tensor& num_blocks, const at::Tensor& block_first_pos,
+                              const at::Tensor& block_valid_start,
+                              const at::Tensor& block_valid_end, const at::Tensor& cos_sin_cache,
+                              bool is_neox, double scale, int64_t num_splits, at::Tensor& out) {
+  TORCH_CHECK(out.defined(), "out must be a tensor");
+  attention_into(query, kv_cache, query_start_loc, query_positions, query_indices, block_tables,
+                 num_blocks, block_first_pos, block_valid_start, block_valid_end, cos_sin_cache,
+                 is_neox, scale, num_splits, out);
 }
 
 namespace {
@@ -1923,6 +1993,11 @@ TORCH_LIBRARY(ascend_mepic, lib) {
       "Tensor query_positions, Tensor query_indices, Tensor block_tables, Tensor num_blocks, "
       "Tensor block_first_pos, Tensor block_valid_start, Tensor block_valid_end, "
       "Tensor cos_sin_cache, bool is_neox, float scale, int num_splits) -> Tensor");
+  lib.def(
+      "rope_paged_attention_out(Tensor query, Tensor kv_cache, Tensor query_start_loc, "
+      "Tensor query_positions, Tensor query_indices, Tensor block_tables, Tensor num_blocks, "
+      "Tensor block_first_pos, Tensor block_valid_start, Tensor block_valid_end, "
+      "Tensor cos_sin_cache, bool is_neox, float scale, int num_splits, Tensor(a!) out) -> ()");
   lib.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   lib.def("isa() -> str", &isa);
   lib.def("set_amx(bool enabled) -> bool", &set_amx);
@@ -1930,6 +2005,7 @@ TORCH_LIBRARY(ascend_mepic, lib) {
 
 TORCH_LIBRARY_IMPL(ascend_mepic, CPU, lib) {
   lib.impl("rope_paged_attention", &rope_paged_attention);
+  lib.impl("rope_paged_attention_out", &rope_paged_attention_out);
   lib.impl("write_kv", &write_kv);
 }
 

@@ -215,3 +215,47 @@ def test_write_kv_dispatch_uses_the_kernel_unless_the_reference_is_forced(monkey
     monkeypatch.delenv("ASCEND_MEPIC_ATTN_IMPL")
     ops.write_kv(key, key, cache.half(), torch.tensor([0]))  # float16: the kernel does not take it
     assert calls == ["cpu"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_out_is_written_in_place(dtype):
+    """``out=`` (the engine's output buffer) gets the rows a fresh tensor would; a view of a
+    wider buffer works, rows outside it are untouched; a wrong shape or dtype is refused."""
+    b = random_batch(3, 32, 8, 2, head=64, dtype=dtype)
+    want = run(b)
+    buffer = torch.full((b.query.shape[0] + 2, 8 * 64), 7.0, dtype=dtype)
+    rows = buffer[: b.query.shape[0]].view(b.query.shape)
+    assert run(b, out=rows) is rows
+    torch.testing.assert_close(rows, want, atol=0, rtol=0)
+    assert (buffer[b.query.shape[0] :] == 7).all()
+    for bad in (torch.empty_like(b.query, dtype=torch.float16), torch.empty(1, 8, 64, dtype=dtype)):
+        with pytest.raises(RuntimeError, match="out must be"):
+            run(b, out=bad)
+
+
+def test_dispatch_fills_out_for_every_impl(monkeypatch):
+    """The dispatcher's ``out``: the kernel writes it, the reference's result is copied in."""
+    b = random_batch(4, 16, 4, 2)
+    for impl in ("cpu", "reference"):
+        monkeypatch.setenv("ASCEND_MEPIC_ATTN_IMPL", impl)
+        out = torch.zeros_like(b.query)
+        got = rope_paged_attention(b.query, b.kv_cache, b.meta, b.rope, b.scale, out=out)
+        assert got is out
+        check(out, b, 1e-5)
+
+
+def test_scratch_reused_across_calls_of_other_shapes():
+    """Each thread's scratch is kept between calls and grown when a call needs more: calls of
+    other head sizes, groups and row counts in turn (smaller after larger and back) all match
+    their own fresh results."""
+    batches = [
+        random_batch(21, 32, 16, 1, head=128),  # many rows per item
+        random_batch(22, 16, 4, 2, head=32, decode=True),
+        random_batch(23, 32, 9, 3, head=64),
+        random_batch(24, 16, 8, 8, head=128, decode=True),
+    ]
+    first = [run(b) for b in batches]
+    for b, want in zip(batches * 2, first * 2, strict=True):
+        torch.testing.assert_close(run(b), want, atol=0, rtol=0)
+    check(first[0], batches[0], 1e-5)
+    check(first[3], batches[3], 1e-5)

@@ -119,6 +119,7 @@ class Case:
             sliding_window_size=-1, isa=self.isa, enable_kv_split=True,
         )  # fmt: skip
         self.out = torch.empty_like(self.vllm_query)
+        self.mepic_out = torch.empty_like(self.query)
         self._ops = ops
 
     def run_vllm(self) -> torch.Tensor:
@@ -131,8 +132,10 @@ class Case:
         return self.out
 
     def run_mepic(self) -> torch.Tensor:
+        # Into a buffer made once, as vLLM's op writes its `output` (and the engine passes the
+        # attention layer's output to both).
         return cpu_kernel.rope_paged_attention_cpu(
-            self.query, self.mepic_cache, self.meta, self.rope, self.scale
+            self.query, self.mepic_cache, self.meta, self.rope, self.scale, out=self.mepic_out
         )
 
     def run_reference(self) -> torch.Tensor:
