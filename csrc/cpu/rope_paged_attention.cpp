@@ -535,8 +535,42 @@ inline void rotate_row(const T* __restrict src, float* __restrict dst, const flo
   }
 }
 
-// pv_slice with 16-lane vectors: W x 16 head elements from x0, ROWS rows, keys [0, n).
-template <int W, typename VT, int R = ROWS>
+// 32 elements of a K row as two 16-lane float vectors. bfloat16 is float32's upper half, so
+// one 64-byte load holds the 32 elements in pairs: shifting widens the even ones and masking
+// the odd ones, two instructions where widening in order takes four. The vectors are then in
+// "split order" (evens, then odds, per group of 32); float32 rows are in order already.
+inline void load32(const at::BFloat16* x, __m512& a, __m512& b) {
+  const __m512i w = _mm512_loadu_si512(x);
+  a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  b = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void load32(const float* x, __m512& a, __m512& b) {
+  a = _mm512_loadu_ps(x);
+  b = _mm512_loadu_ps(x + 16);
+}
+
+// Whether P.V keeps a row's outputs in split order (load32's, per group of 32): bfloat16 values
+// whose head is whole groups of 32, widened two instructions per 32 elements instead of four.
+// attend() turns the rows back (from_split_order) before they leave it.
+template <typename VT>
+constexpr bool split_v(int64_t d) {
+  return std::is_same_v<VT, at::BFloat16> && d % 32 == 0;
+}
+
+// A row of d floats (d a multiple of 32) from split order back to head order.
+inline void from_split_order(float* __restrict row, int64_t d) {
+  const __m512i even = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i odd = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int64_t g = 0; g < d; g += 32) {
+    const __m512 a = _mm512_loadu_ps(row + g), b = _mm512_loadu_ps(row + g + 16);
+    _mm512_storeu_ps(row + g, _mm512_permutex2var_ps(a, even, b));
+    _mm512_storeu_ps(row + g + 16, _mm512_permutex2var_ps(a, odd, b));
+  }
+}
+
+// pv_slice with 16-lane vectors: W x 16 head elements from x0, ROWS rows, keys [0, n); in
+// split order if SPLIT (bfloat16 values, W even).
+template <int W, typename VT, int R = ROWS, bool SPLIT = false>
 inline void pv_slice512(const float* __restrict p, const VT* __restrict v, int64_t v_stride,
                         int64_t n, int64_t d, int64_t x0, float* __restrict acc_rows) {
   __m512 acc[R][W];
@@ -544,7 +578,12 @@ inline void pv_slice512(const float* __restrict p, const VT* __restrict v, int64
     for (int j = 0; j < W; ++j) acc[r][j] = _mm512_loadu_ps(acc_rows + r * d + x0 + 16 * j);
   for (int64_t c = 0; c < n; ++c) {
     __m512 vv[W];
-    for (int j = 0; j < W; ++j) vv[j] = load16(v + c * v_stride + x0 + 16 * j);
+    if constexpr (SPLIT) {
+      static_assert(std::is_same_v<VT, at::BFloat16> && W % 2 == 0, "split order: bf16 pairs");
+      for (int j = 0; j < W; j += 2) load32(v + c * v_stride + x0 + 16 * j, vv[j], vv[j + 1]);
+    } else {
+      for (int j = 0; j < W; ++j) vv[j] = load16(v + c * v_stride + x0 + 16 * j);
+    }
     for (int r = 0; r < R; ++r) {
       const __m512 pr = _mm512_set1_ps(p[r * KEY_CHUNK + c]);
       for (int j = 0; j < W; ++j) acc[r][j] = _mm512_fmadd_ps(pr, vv[j], acc[r][j]);
@@ -560,23 +599,17 @@ template <typename VT, int R = ROWS>
 inline void pv_tile512(const float* p, const VT* v, int64_t v_stride, int64_t n, int64_t d,
                        float* acc_rows) {
   int64_t x0 = 0;
+  if constexpr (std::is_same_v<VT, at::BFloat16>) {
+    if (split_v<VT>(d)) {
+      for (; x0 + 64 <= d; x0 += 64)
+        pv_slice512<4, VT, R, true>(p, v, v_stride, n, d, x0, acc_rows);
+      if (x0 < d) pv_slice512<2, VT, R, true>(p, v, v_stride, n, d, x0, acc_rows);  // 32 left
+      return;
+    }
+  }
   for (; x0 + 64 <= d; x0 += 64) pv_slice512<4, VT, R>(p, v, v_stride, n, d, x0, acc_rows);
   for (; x0 + 16 <= d; x0 += 16) pv_slice512<1, VT, R>(p, v, v_stride, n, d, x0, acc_rows);
   for (; x0 < d; x0 += 8) pv_slice<1>(p, v, v_stride, n, d, x0, acc_rows);
-}
-
-// 32 elements of a K row as two 16-lane float vectors. bfloat16 is float32's upper half, so
-// one 64-byte load holds the 32 elements in pairs: shifting widens the even ones and masking
-// the odd ones, two instructions where widening in order takes four. The vectors are then in
-// "split order" (evens, then odds, per group of 32); float32 rows are in order already.
-inline void load32(const at::BFloat16* x, __m512& a, __m512& b) {
-  const __m512i w = _mm512_loadu_si512(x);
-  a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-  b = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-inline void load32(const float* x, __m512& a, __m512& b) {
-  a = _mm512_loadu_ps(x);
-  b = _mm512_loadu_ps(x + 16);
 }
 
 // dst = a float row (d a multiple of 32) in load32's order for KT. Dot products do not depend
@@ -597,9 +630,12 @@ inline void to_split_order(const float* __restrict src, float* __restrict dst, i
 // Sums of a 4 x 4 tile of vectors: lane 4r + j of the result is the sum of acc[r][j]'s lanes.
 // Per row, the four keys' vectors are folded into one (a partial sum per 128-bit lane); then
 // the four rows' 128-bit lanes are summed across.
+// Rows from R on are known zero (not reduced).
+template <int R = 4>
 inline __m512 sum_tile(const __m512 (&acc)[4][4]) {
   __m512 w[4];
-  for (int r = 0; r < 4; ++r) {
+  for (int r = R; r < 4; ++r) w[r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
     const __m512 u = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][0], acc[r][1]),
                                    _mm512_unpackhi_ps(acc[r][0], acc[r][1]));
     const __m512 v = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][2], acc[r][3]),
@@ -752,7 +788,7 @@ inline void score_tile_rope512(const float* __restrict q, const KT* __restrict k
         }
       }
     }
-    const __m512 sums = sum_tile(acc);
+    const __m512 sums = sum_tile<R>(acc);
     _mm_storeu_ps(s + c, _mm512_extractf32x4_ps(sums, 0));
     _mm_storeu_ps(s + KEY_CHUNK + c, _mm512_extractf32x4_ps(sums, 1));
     _mm_storeu_ps(s + 2 * KEY_CHUNK + c, _mm512_extractf32x4_ps(sums, 2));
@@ -1506,6 +1542,10 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
       }
     }
   }
+#ifdef MEPIC_CPU_AVX512
+  if (tiled && split_v<KT>(d))
+    for (int64_t r = 0; r < padded; ++r) from_split_order(out_rows + r * d, d);
+#endif
 }
 
 template <typename QT, typename KT>

@@ -78,6 +78,21 @@ def test_fp32_decode_16_lane_tile(cache_dtype, heads, head, splits):
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head", [80, 96, 160])
+@pytest.mark.parametrize("decode", [False, True])
+def test_bf16_values_at_heads_not_multiples_of_64(query_dtype, head, decode):
+    """Values from a bfloat16 cache are widened in split order where the head is whole groups
+    of 32 (96, 160: a 32-element slice after the 64s), in head order otherwise (80): each way
+    the rows come back in head order."""
+    b = random_batch(13, 32, 8, 2, head=head, dtype=query_dtype, decode=decode)
+    cache = b.kv_cache.bfloat16()
+    out = run(replace(b, kv_cache=cache))
+    want = dense_oracle(b.query, cache.to(query_dtype), b.meta, b.base, True, b.scale)
+    tol = 1e-5 if query_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
 @pytest.fixture(params=[True, False], ids=["amx", "vector"])
 def amx_path(request):
     """Each bfloat16 case on the AMX tiles and on the vector path (AMX where the CPU, the
