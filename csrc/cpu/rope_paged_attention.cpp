@@ -22,8 +22,13 @@
 //   packed into tile order once per call (pack_amx);
 // * bfloat16 decode with a GQA group wider than ROWS: attend_amx_decode (S^T = K Q^T);
 // * otherwise attend(): AVX-512/AVX2 register tiles of ROWS rows; float32 prefill reads keys
-//   rotated and transposed once per call; decode rotates keys in registers (fused: 16 lanes,
-//   four keys at a time, for heads of 64 and 128 under AVX-512; 8 lanes otherwise).
+//   rotated and transposed once per call, each row tile prefetching a share of the next chunk;
+//   decode rotates keys in registers (fused: 16 lanes, four keys at a time, for heads of 64 and
+//   128 under AVX-512; 8 lanes otherwise). The online softmax takes a tile's 4 rows at once
+//   (AVX-512); bfloat16 values are widened in split order (load32) and rows turned back once.
+//
+// Each thread keeps its scratch across calls (thread_scratch); rope_paged_attention_out writes
+// the caller's output buffer (the attention layer's), so a call allocates nothing large.
 //
 // Any cache strides work; decode is bound by streaming K/V, so the serving backend stores one KV
 // head's rows of a block contiguously (worker/attention.py, block_view). With token-major blocks
