@@ -1570,9 +1570,13 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
 
   const std::vector<WorkItem> work = plan_work(m, hkv, splits);
   const int64_t n = static_cast<int64_t>(work.size());
-  int64_t max_rows = ROWS;  // the widest item's rows, padded to whole row tiles
-  for (const WorkItem& w : work)
-    max_rows = std::max<int64_t>(max_rows, ((w.q_end - w.q_begin) * group + ROWS - 1) / ROWS * ROWS);
+  // The widest item's rows, padded to whole row tiles of every path: ROWS for the vector
+  // tiles, 16 for the AMX tiles (attend_amx fills its rows up to a multiple of 16).
+  int64_t max_rows = 16;
+  for (const WorkItem& w : work) {
+    const int64_t rows = (w.q_end - w.q_begin) * group;
+    max_rows = std::max({max_rows, (rows + ROWS - 1) / ROWS * ROWS, (rows + 15) / 16 * 16});
+  }
   // Per work item: its rows' outputs (unnormalised), maxima and sums, merged below.
   // Items of a split decode sequence keep their rows' unnormalised outputs, maxima and sums
   // for the merge below; every other item writes its normalised rows itself.

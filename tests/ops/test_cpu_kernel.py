@@ -274,3 +274,15 @@ def test_scratch_reused_across_calls_of_other_shapes():
         torch.testing.assert_close(run(b), want, atol=0, rtol=0)
     check(first[0], batches[0], 1e-5)
     check(first[3], batches[3], 1e-5)
+
+
+def test_amx_items_after_narrow_calls(amx_path):
+    """A thread's scratch sized by decode calls (a few rows) then grown for prefill items whose
+    rows are not whole AMX tiles (9 queries x a group of 2 = 18 rows, padded to 32 on the tiles):
+    every buffer must hold the tile-padded rows (sized to whole row tiles of 4 only, the engine's
+    worker crashed at the first bfloat16 prefill)."""
+    for seed in range(6):
+        d = random_batch(100 + seed, 16, 4, 2, dtype=torch.bfloat16, decode=True)
+        check(run(d), d, 2e-2)
+        b = random_batch(seed, 16, 4, 2, dtype=torch.bfloat16, num_seqs=4)
+        check(run(b), b, 2e-2)
