@@ -799,19 +799,7 @@ def _step_tensors(meta: PagedRopeMetadata, device: torch.device):
     which every layer of the step shares)."""
     key = ("ascend-triton", str(device))
     if key not in meta.memo:
-        meta.memo[key] = tuple(
-            _int32(t, device)
-            for t in (
-                meta.query_start_loc,
-                meta.query_positions,
-                meta.query_indices,
-                meta.block_tables,
-                meta.num_blocks,
-                meta.block_first_pos,
-                meta.block_valid_start,
-                meta.block_valid_end,
-            )
-        )
+        meta.memo[key] = tuple(_int32(t, device) for t in meta.tensors())
     return meta.memo[key]
 
 

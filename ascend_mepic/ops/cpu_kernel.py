@@ -295,41 +295,19 @@ def rope_paged_attention_cpu(
     if cos_sin is None:
         cos_sin = meta.memo["cpu-cos-sin"] = rope.cos_sin_cache.float().contiguous()
     splits = num_splits or decode_splits(meta, kv_cache.shape[3])
-    if out is not None:
-        torch.ops.ascend_mepic.rope_paged_attention_out(
-            query,
-            kv_cache,
-            meta.query_start_loc,
-            meta.query_positions,
-            meta.query_indices,
-            meta.block_tables,
-            meta.num_blocks,
-            meta.block_first_pos,
-            meta.block_valid_start,
-            meta.block_valid_end,
-            cos_sin,
-            bool(rope.is_neox_style),
-            float(scale),
-            splits,
-            out,
-        )
-        return out
-    return torch.ops.ascend_mepic.rope_paged_attention(
+    args = (
         query,
         kv_cache,
-        meta.query_start_loc,
-        meta.query_positions,
-        meta.query_indices,
-        meta.block_tables,
-        meta.num_blocks,
-        meta.block_first_pos,
-        meta.block_valid_start,
-        meta.block_valid_end,
+        *meta.tensors(),
         cos_sin,
         bool(rope.is_neox_style),
         float(scale),
         splits,
     )
+    if out is None:
+        return torch.ops.ascend_mepic.rope_paged_attention(*args)
+    torch.ops.ascend_mepic.rope_paged_attention_out(*args, out)
+    return out
 
 
 def main() -> int:

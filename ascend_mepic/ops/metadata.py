@@ -58,22 +58,23 @@ class PagedRopeMetadata:
             torch.arange(self.num_seqs, device=counts.device), counts.long()
         )
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The eight index tensors, in field order (the kernels' argument order)."""
+        return (
+            self.query_start_loc,
+            self.query_positions,
+            self.query_indices,
+            self.block_tables,
+            self.num_blocks,
+            self.block_first_pos,
+            self.block_valid_start,
+            self.block_valid_end,
+        )
+
     def to(self, device: torch.device | str) -> PagedRopeMetadata:
         return PagedRopeMetadata(
             self.block_size,
-            *(
-                t.to(device)
-                for t in (
-                    self.query_start_loc,
-                    self.query_positions,
-                    self.query_indices,
-                    self.block_tables,
-                    self.num_blocks,
-                    self.block_first_pos,
-                    self.block_valid_start,
-                    self.block_valid_end,
-                )
-            ),
+            *(t.to(device) for t in self.tensors()),
             self.max_query_len,
             self.max_num_blocks,
         )

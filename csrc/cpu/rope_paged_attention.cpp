@@ -33,7 +33,9 @@
 // Any cache strides work; decode is bound by streaming K/V, so the serving backend stores one KV
 // head's rows of a block contiguously (worker/attention.py, block_view). With token-major blocks
 // (rows Hkv * D apart) the same kernel was a third slower beyond L3, and software prefetch
-// did not recover it; with contiguous rows prefetch gained nothing, so there is none.
+// did not recover it. With contiguous rows, decode fetches K/V rows 8 keys ahead and each
+// prefill row tile a share of the next chunk (both measured gains; other distances and hints
+// were not).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -1396,6 +1398,8 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
   std::fill(row_sum, row_sum + padded, 0.f);
   const int64_t meta_row = static_cast<int64_t>(w.seq) * m.table_stride;
   std::vector<int64_t> visible(padded);
+  const int64_t row_tiles = padded / ROWS;
+  const bool ahead = row_tiles >= 4;  // prefill: many row tiles share each chunk
   for (int32_t j = w.entry_begin; j < w.entry_end; ++j) {
     const int64_t base = static_cast<int64_t>(j) * bs;
     const int32_t v0 = m.vstart[meta_row + j];
@@ -1409,20 +1413,19 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
       const int64_t n4 = (n + 3) / 4 * 4;
       const int64_t chunk_off = blk * cb + c0 * cs + static_cast<int64_t>(w.kv_head) * ch;
       const float* cs_chunk = cos_sin + static_cast<int64_t>(first + c0 - v0) * cs_stride;
-      // The next chunk's values: the rest of this block, else the next entry's first keys.
+      // Prefill: the next chunk's values (the rest of this block, else the next entry's first
+      // keys), fetched a share per row tile.
       const KT* v_next = nullptr;
       int64_t n_next = 0;
-      if (c0 + KEY_CHUNK < v1) {
+      if (ahead && c0 + KEY_CHUNK < v1) {
         v_next = v_ptr + chunk_off + KEY_CHUNK * cs;
         n_next = std::min<int64_t>(KEY_CHUNK, v1 - c0 - KEY_CHUNK);
-      } else if (j + 1 < w.entry_end) {
+      } else if (ahead && j + 1 < w.entry_end) {
         const int32_t s0 = m.vstart[meta_row + j + 1];
         v_next = v_ptr + m.tables[meta_row + j + 1] * cb + s0 * cs +
                  static_cast<int64_t>(w.kv_head) * ch;
         n_next = std::max<int64_t>(0, std::min<int64_t>(KEY_CHUNK, m.vend[meta_row + j + 1] - s0));
       }
-      const int64_t row_tiles = padded / ROWS;
-      const bool ahead = row_tiles >= 4;  // prefill: many tiles share each chunk
 #ifdef MEPIC_CPU_AVX2
       if (fused) {
         // Key c sits at position p0 + c and R(p0 + c) = R(p0) R(c): the rows are turned back
