@@ -1295,9 +1295,6 @@ inline void pv_tile_generic(const float* p, const float* v, int64_t v_stride, in
     for (int r = 0; r < ROWS; ++r) axpy(p[r * KEY_CHUNK + c], v + c * v_stride, acc_rows + r * d, d);
 }
 
-// One work item: online softmax of its rows over block-table entries [entry_begin, entry_end),
-// KEY_CHUNK keys at a time: the chunk's keys are rotated into scratch, scored against every row
-// tile, the softmax updated per row, and the values accumulated per row tile.
 // Part `part` of `parts` of a span of `rows` rows (row_bytes each, stride apart), prefetched:
 // a prefill's row tiles each fetch a share of the next chunk's K or V, so that its first tile
 // does not wait on L3 (the chunk's 16-32 KB then stay in L1 for the tiles after it).
@@ -1348,6 +1345,9 @@ inline void softmax_rows(float* s, const int64_t* vis, int64_t rows, int64_t n, 
   }
 }
 
+// One work item: online softmax of its rows over block-table entries [entry_begin, entry_end),
+// KEY_CHUNK keys at a time: the chunk's keys are rotated into scratch, scored against every row
+// tile, the softmax updated per row, and the values accumulated per row tile.
 template <typename QT, typename KT>
 void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const KT* k_ptr,
             const KT* v_ptr, int64_t cb, int64_t cs, int64_t ch, const Meta& m,
