@@ -148,8 +148,9 @@ def _build_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _compile_command(variant: str, output: Path) -> list[str]:
-    """One compiler call building a variant's library (no Python module, no ninja)."""
+def _compile_command(variant: str, output: Path, defines: tuple[str, ...] = ()) -> list[str]:
+    """One compiler call building a variant's library (no Python module, no ninja); ``defines``
+    (such as ``MEPIC_CPU_GUARD``, the tests' guard build) are added as ``-D`` flags."""
     from torch.utils import cpp_extension
 
     flags, _ = VARIANTS[variant]
@@ -158,7 +159,8 @@ def _compile_command(variant: str, output: Path) -> list[str]:
     libs = [f"-L{path}" for path in cpp_extension.library_paths()]
     return [
         os.environ.get("CXX", "c++"), "-shared", "-fPIC", "-std=c++20", *COMMON_CFLAGS, *flags,
-        f"-DMEPIC_VARIANT={variant}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
+        f"-DMEPIC_VARIANT={variant}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-D{name}" for name in defines), *includes,
         str(SOURCE), *libs, "-lc10", "-ltorch_cpu", "-o", str(output),
     ]  # fmt: skip
 
@@ -206,12 +208,17 @@ def build(verbose: bool = False) -> Path:
     return library
 
 
-def load() -> bool:
+def load(library: Path | None = None) -> bool:
     """Load the prebuilt kernel (once per process); False, with the reason logged once, when
-    there is none for this source and environment. Never compiles."""
+    there is none for this source and environment. Never compiles. ``library`` loads that file
+    instead of the prebuilt one (a test's guard build); it must come before any other load."""
     if "ok" in _state:
+        if library is not None and _state.get("library") != library:
+            raise RuntimeError(f"a CPU kernel is already loaded ({_state.get('library')})")
         return bool(_state["ok"])
-    library, why = prebuilt()
+    why = f"given ({library})"
+    if library is None:
+        library, why = prebuilt()
     ok = False
     if library is not None:
         try:
@@ -230,6 +237,7 @@ def load() -> bool:
             BUILD_HINT,
         )
     _state["ok"] = ok
+    _state["library"] = library
     return ok
 
 

@@ -63,6 +63,12 @@
 #define MEPIC_CPU_AMX 1
 #endif
 #include <atomic>
+#ifdef MEPIC_CPU_GUARD
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+#endif
 
 namespace {
 
@@ -73,6 +79,47 @@ constexpr int64_t QUERY_TILE = 64;
 // Buffers on 64-byte (cache line) boundaries: AMX tile rows and 512-bit vectors that straddle
 // two lines load at half speed, and malloc's 16-byte alignment made timings vary by a third
 // from one process to the next.
+#ifdef MEPIC_CPU_GUARD
+// Guard builds (tests/ops/test_cpu_kernel_guard.py compiles one; never a served library): every
+// buffer is followed by GUARD_BYTES of a known pattern and allocated to its exact size (grow),
+// and every call checks the guards of all live buffers before it returns. A write past a
+// scratch buffer then fails the call that made it; in a normal build it lands in the
+// allocation's slack or a neighbour and goes unseen until something crashes.
+constexpr std::size_t GUARD_BYTES = 16384;  // more than 15 rows of 128 floats (an AMX tile's padding)
+constexpr unsigned char GUARD_FILL = 0xA5;
+
+struct GuardRegistry {
+  std::mutex mu;
+  std::unordered_map<const unsigned char*, std::size_t> live;  // guard start -> owner's bytes
+};
+
+// Never destroyed: thread_local scratch is freed after static destructors may have run.
+GuardRegistry& guards() {
+  static GuardRegistry* registry = new GuardRegistry;
+  return *registry;
+}
+
+bool guard_intact(const unsigned char* g) {
+  for (std::size_t i = 0; i < GUARD_BYTES; ++i)
+    if (g[i] != GUARD_FILL) return false;
+  return true;
+}
+
+// Live buffers whose guard was overwritten (and the size of the first), checked and re-armed.
+std::pair<int64_t, std::size_t> guard_violations() {
+  GuardRegistry& r = guards();
+  std::lock_guard<std::mutex> lock(r.mu);
+  int64_t broken = 0;
+  std::size_t first = 0;
+  for (auto& [g, bytes] : r.live)
+    if (!guard_intact(g)) {
+      if (broken++ == 0) first = bytes;
+      std::memset(const_cast<unsigned char*>(g), GUARD_FILL, GUARD_BYTES);
+    }
+  return {broken, first};
+}
+#endif
+
 template <typename T>
 struct LineAligned {
   using value_type = T;
@@ -81,11 +128,40 @@ struct LineAligned {
   LineAligned(const LineAligned<U>&) {}
   T* allocate(std::size_t n) {
     const std::size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
+#ifdef MEPIC_CPU_GUARD
+    auto* p = static_cast<unsigned char*>(std::aligned_alloc(64, bytes + GUARD_BYTES));
+    if (p == nullptr) throw std::bad_alloc();
+    // The guard starts right after the n elements, inside the 64-byte rounding too.
+    unsigned char* g = p + n * sizeof(T);
+    std::memset(g, GUARD_FILL, GUARD_BYTES);
+    GuardRegistry& r = guards();
+    std::lock_guard<std::mutex> lock(r.mu);
+    r.live[g] = n * sizeof(T);
+    return reinterpret_cast<T*>(p);
+#else
     void* p = std::aligned_alloc(64, bytes);
     if (p == nullptr) throw std::bad_alloc();
     return static_cast<T*>(p);
+#endif
   }
-  void deallocate(T* p, std::size_t) { std::free(p); }
+  void deallocate(T* p, std::size_t n) {
+#ifdef MEPIC_CPU_GUARD
+    const unsigned char* g = reinterpret_cast<const unsigned char*>(p) + n * sizeof(T);
+    {
+      GuardRegistry& r = guards();
+      std::lock_guard<std::mutex> lock(r.mu);
+      r.live.erase(g);
+    }
+    if (!guard_intact(g)) {
+      std::fprintf(stderr, "ascend_mepic CPU kernel (guard build): a write past a buffer of %zu "
+                   "bytes found when it was freed\n", n * sizeof(T));
+      std::abort();
+    }
+#else
+    (void)n;
+#endif
+    std::free(p);
+  }
   template <typename U>
   bool operator==(const LineAligned<U>&) const { return true; }
 };
@@ -230,19 +306,27 @@ constexpr int64_t KEY_CHUNK = 64;
 // cost about 20 us of page faults, more than a short decode step's attention.
 constexpr int64_t AMX_STEP = 256;  // keys per softmax step of the AMX path
 
+// At least n elements (kept across calls, never shrunk). A guard build makes it exactly n,
+// this call's need: a write past it then shows even after a larger earlier call.
 template <typename T>
 inline void grow(Buffer<T>& b, int64_t n) {
+#ifdef MEPIC_CPU_GUARD
+  if (static_cast<int64_t>(b.size()) != n) Buffer<T>(n).swap(b);
+#else
   if (static_cast<int64_t>(b.size()) < n) b.resize(n);
+#endif
 }
 
 struct Scratch {
   Buffer<float> q, qc, k, kt, v, s, amx_s, own, own_mx, own_sm;
   Buffer<uint16_t> amx_p;
+  Buffer<int64_t> visible;  // per row of a tile: keys of the chunk it sees
   void reserve(int64_t rows, int64_t d) {
     const int64_t tiles = (rows + 15) / 16 * 16;
     for (Buffer<float>* b : {&q, &qc, &own}) grow(*b, rows * d);
     for (Buffer<float>* b : {&k, &kt, &v}) grow(*b, KEY_CHUNK * d);
     for (Buffer<float>* b : {&own_mx, &own_sm}) grow(*b, rows);
+    grow(visible, rows);
     grow(s, rows * KEY_CHUNK);
     grow(amx_s, tiles * AMX_STEP);
     grow(amx_p, tiles * AMX_STEP);
@@ -1397,7 +1481,7 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
   std::fill(row_max, row_max + padded, NEG_INF);
   std::fill(row_sum, row_sum + padded, 0.f);
   const int64_t meta_row = static_cast<int64_t>(w.seq) * m.table_stride;
-  std::vector<int64_t> visible(padded);
+  int64_t* const visible = sc.visible.data();
   const int64_t row_tiles = padded / ROWS;
   const bool ahead = row_tiles >= 4;  // prefill: many row tiles share each chunk
   for (int32_t j = w.entry_begin; j < w.entry_end; ++j) {
@@ -1520,10 +1604,10 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
       }
 #ifdef MEPIC_CPU_AVX512
       for (int64_t r = 0; r < padded; r += ROWS)
-        softmax_tile512(s + r * KEY_CHUNK, visible.data() + r, row_max + r, row_sum + r,
+        softmax_tile512(s + r * KEY_CHUNK, visible + r, row_max + r, row_sum + r,
                         out_rows + r * d, d);
 #else
-      softmax_rows(s, visible.data(), padded, n, row_max, row_sum, out_rows, d);
+      softmax_rows(s, visible, padded, n, row_max, row_sum, out_rows, d);
 #endif
       for (int64_t r = 0; r < padded; r += ROWS) {
         if (ahead && v_next != nullptr)
@@ -1640,7 +1724,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
           total += 2 * padded * d;
         }
       }
-      if (static_cast<int64_t>(packs.size()) < total) packs.resize(total);
+      grow(packs, total);
       pack_data = packs.data();
       const int64_t jobs = static_cast<int64_t>(pack_keys.size());
       any_amx = jobs > 0;
@@ -1701,7 +1785,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const Meta& m,
     }
     if (kt_chunks_total > 0) {
       const int64_t need = kt_chunks_total * d * KEY_CHUNK;
-      if (static_cast<int64_t>(kt_packs.size()) < need) kt_packs.resize(need);
+      grow(kt_packs, need);
       kt_data = kt_packs.data();
       const int64_t jobs = static_cast<int64_t>(kt_seqs.size()) * hkv;
 #pragma omp parallel num_threads(threads)
@@ -1899,6 +1983,11 @@ at::Tensor attention_into(const at::Tensor& query, const at::Tensor& kv_cache,
     run<at::BFloat16, float>(q, kv_cache, m, cs_ptr, d, is_neox, sc, out, num_splits);
   else
     run<at::BFloat16, at::BFloat16>(q, kv_cache, m, cs_ptr, d, is_neox, sc, out, num_splits);
+#ifdef MEPIC_CPU_GUARD
+  const auto [broken, bytes] = guard_violations();
+  TORCH_CHECK(broken == 0, "ascend_mepic CPU kernel (guard build): this call wrote past ", broken,
+              " buffer(s) (the first of ", bytes, " bytes)");
+#endif
   return out;
 }
 
@@ -2021,6 +2110,9 @@ std::string isa() {
 #ifndef MEPIC_CPU_AVX2
   name += " (generic loops)";
 #endif
+#ifdef MEPIC_CPU_GUARD
+  name += " (guard build)";
+#endif
 #if defined(MEPIC_CPU_AMX) && defined(MEPIC_CPU_AVX512)
   if (amx_enabled()) name += "+amx";
 #endif
@@ -2039,6 +2131,17 @@ bool set_amx(bool enabled) {
 #endif
 }
 
+#ifdef MEPIC_CPU_GUARD
+// The guard build's negative control: writes one element past a fresh grown buffer and returns
+// whether the check that every call runs sees it (the buffer is then freed re-armed).
+bool guard_selftest() {
+  Buffer<float> b;
+  grow(b, 37);
+  b.data()[37] = 1.f;  // deliberately past the end
+  return guard_violations().first == 1;
+}
+#endif
+
 TORCH_LIBRARY(ascend_mepic, lib) {
   lib.def(
       "rope_paged_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, "
@@ -2053,6 +2156,9 @@ TORCH_LIBRARY(ascend_mepic, lib) {
   lib.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   lib.def("isa() -> str", &isa);
   lib.def("set_amx(bool enabled) -> bool", &set_amx);
+#ifdef MEPIC_CPU_GUARD
+  lib.def("guard_selftest() -> bool", &guard_selftest);
+#endif
 }
 
 TORCH_LIBRARY_IMPL(ascend_mepic, CPU, lib) {
