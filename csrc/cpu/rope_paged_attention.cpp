@@ -945,6 +945,10 @@ MEPIC_AMX_FN inline void amx_configure() {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
+  // GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of the 64-byte config, so the
+  // stores above may be dropped as dead (a config with other rows, built the same way, lost
+  // them all: tiles of 0 rows, SIGILL at the first tile instruction). The barrier keeps them.
+  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
