@@ -76,9 +76,6 @@ namespace {
 // serves that many rows (32 and 16 were 5-15% slower in prefill on an AVX-512/AMX Xeon).
 constexpr int64_t QUERY_TILE = 64;
 
-// Buffers on 64-byte (cache line) boundaries: AMX tile rows and 512-bit vectors that straddle
-// two lines load at half speed, and malloc's 16-byte alignment made timings vary by a third
-// from one process to the next.
 #ifdef MEPIC_CPU_GUARD
 // Guard builds (tests/ops/test_cpu_kernel_guard.py compiles one; never a served library): every
 // buffer is followed by GUARD_BYTES of a known pattern and allocated to its exact size (grow),
@@ -120,6 +117,9 @@ std::pair<int64_t, std::size_t> guard_violations() {
 }
 #endif
 
+// Buffers on 64-byte (cache line) boundaries: AMX tile rows and 512-bit vectors that straddle
+// two lines load at half speed, and malloc's 16-byte alignment made timings vary by a third
+// from one process to the next.
 template <typename T>
 struct LineAligned {
   using value_type = T;

@@ -31,7 +31,7 @@ assert cpu_kernel.load(Path(sys.argv[1])), "the guard build did not load"
 assert "guard build" in cpu_kernel.isa(), cpu_kernel.isa()
 assert torch.ops.ascend_mepic.guard_selftest(), "the guard missed a deliberate overflow"
 torch.set_num_threads(2)
-calls, worst = 0, {}
+calls = 0
 DTYPES = ((torch.float32, torch.float32, 1e-4), (torch.float32, torch.bfloat16, 2e-2),
           (torch.bfloat16, torch.bfloat16, 2e-2))
 for amx in (True, False):
@@ -59,10 +59,8 @@ for amx in (True, False):
                         b.query, cache, b.meta, b.rope, b.scale, num_splits=splits)
                     calls += 1
                     err = (out.double() - want).abs().max().item()
-                    key = f"{qdt}/{cdt}"
-                    worst[key] = max(worst.get(key, 0.0), err)
-                    assert err <= tol * (1 + want.abs().max().item()), (key, decode, hq, err)
-print(json.dumps({"calls": calls, "worst": worst, "isa": cpu_kernel.isa()}))
+                    assert err <= tol * (1 + want.abs().max().item()), (qdt, cdt, decode, hq, err)
+print(json.dumps({"calls": calls}))
 """
 
 
