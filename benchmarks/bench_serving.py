@@ -1,7 +1,8 @@
 """TTFT and decode speed in the real vLLM engine: MEPIC vs full recompute vs prefix caching.
 
 Side by side in one run, on the same SQuAD v2 requests (a system prompt, K paragraphs of one
-article as chunks, the question), SmolLM2-135M-Instruct on the CPU, float32:
+article as chunks, the question), SmolLM2-135M-Instruct on the CPU, float32 (``--dtype
+bfloat16``: weights, activations and KV cache in bfloat16, the dtype models are served in):
 
 * TTFT: each request alone with ``max_tokens=1`` (prefill latency), after a warm-up pass over
   requests with the same paragraphs in another order and another question (RAG traffic: the same
@@ -62,7 +63,7 @@ def worker(job: dict) -> dict:
     kwargs = mepic_llm_kwargs() if job["mepic"] else {"enable_prefix_caching": job["prefix"]}
     llm = LLM(
         model=job["model"],
-        dtype="float32",
+        dtype=job.get("dtype", "float32"),
         enforce_eager=True,
         max_model_len=4096,
         block_size=job["block_size"],
@@ -128,6 +129,7 @@ def main() -> None:
     p.add_argument("--decode-batch", type=int, default=8)
     p.add_argument("--decode-rounds", type=int, default=3, help="decode timed N times, median")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument(
         "--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
         help="configurations to run (ratios are against the first listed)",
@@ -148,7 +150,10 @@ def main() -> None:
 
     model = str(resolve_model(args.model))
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="4")
-    print(f"model {args.model}, {args.requests} SQuAD requests, block size {args.block_size}")
+    print(
+        f"model {args.model} ({args.dtype}), {args.requests} SQuAD requests, "
+        f"block size {args.block_size}"
+    )
     base = args.configs[0]
     print(
         "| paragraphs | repeat | config | prompt tokens | TTFT mean (ms) | TTFT p50 (ms) | "
@@ -170,6 +175,7 @@ def main() -> None:
                     "decode_tokens": args.decode_tokens,
                     "decode_batch": args.decode_batch,
                     "decode_rounds": args.decode_rounds,
+                    "dtype": args.dtype,
                     **CONFIGS[name],
                 }
                 results[name] = run_job_process(

@@ -33,8 +33,9 @@
 // Any cache strides work; decode is bound by streaming K/V, so the serving backend stores one KV
 // head's rows of a block contiguously (worker/attention.py, block_view). With token-major blocks
 // (rows Hkv * D apart) the same kernel was a third slower beyond L3, and software prefetch
-// did not recover it. With contiguous rows, decode fetches K/V rows 8 keys ahead and each
-// prefill row tile a share of the next chunk (both measured gains; other distances and hints
+// did not recover it. With contiguous rows, decode fetches K/V rows 8 keys ahead (at a block's
+// end, the next block's first rows: a gain at block 32, where a quarter of the keys had waited)
+// and each prefill row tile a share of the next chunk (measured gains; other distances and hints
 // were not).
 
 #include <ATen/ATen.h>
@@ -710,11 +711,14 @@ inline void to_split_order(const float* __restrict src, float* __restrict dst, i
   if constexpr (std::is_same_v<KT, float>) {
     std::copy(src, src + d, dst);
   } else {
-    for (int64_t g = 0; g < d; g += 32)
-      for (int64_t l = 0; l < 16; ++l) {
-        dst[g + l] = src[g + 2 * l];
-        dst[g + 16 + l] = src[g + 2 * l + 1];
-      }
+    // Once per chunk for each of the tile's rows: two permutes per 32 elements, not 32 moves.
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    for (int64_t g = 0; g < d; g += 32) {
+      const __m512 a = _mm512_loadu_ps(src + g), b = _mm512_loadu_ps(src + g + 16);
+      _mm512_storeu_ps(dst + g, _mm512_permutex2var_ps(a, even, b));
+      _mm512_storeu_ps(dst + g + 16, _mm512_permutex2var_ps(a, odd, b));
+    }
   }
 }
 
@@ -814,6 +818,10 @@ inline void softmax_tile512(float* __restrict s, const int64_t* vis, float* __re
     }
     const __m512 m = _mm512_set1_ps(nm[u]);
     for (int j = 0; j < 4; ++j) {
+      if (keep[u][j] == 0) {  // past the row's visible keys (a short chunk): no exp
+        _mm512_storeu_ps(sr + 16 * j, _mm512_setzero_ps());
+        continue;
+      }
       const __m512 e = _mm512_maskz_mov_ps(
           keep[u][j], exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * j), m)));
       _mm512_storeu_ps(sr + 16 * j, e);
@@ -835,16 +843,26 @@ static_assert(ROWS == 4, "sum_tile reduces four rows");
 template <typename KT, int D, int R = ROWS>
 inline void score_tile_rope512(const float* __restrict q, const KT* __restrict k,
                                const KT* __restrict v, int64_t ks, int64_t in_block,
-                               const float* __restrict cs, int64_t n, float* __restrict s) {
+                               const float* __restrict cs, int64_t n, float* __restrict s,
+                               const KT* k_next = nullptr, const KT* v_next = nullptr,
+                               int64_t n_next = 0) {
   constexpr int HALF = D / 2;
   constexpr int ROW_BYTES = D * static_cast<int>(sizeof(KT));
   for (int64_t c = 0; c < n; c += 4) {
-    // K and V rows 8 keys ahead, while they are in this block.
-    for (int64_t a = c + 8; a < std::min<int64_t>(c + 12, in_block); ++a)
-      for (int b = 0; b < ROW_BYTES; b += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k + a * ks) + b, 0, 3);
-        __builtin_prefetch(reinterpret_cast<const char*>(v + a * ks) + b, 0, 3);
+    // K and V rows 8 keys ahead: in this block, else the next block's first ones.
+    for (int64_t a = c + 8; a < c + 12; ++a) {
+      const KT* kp = k + a * ks;
+      const KT* vp = v + a * ks;
+      if (a >= in_block) {
+        if (a - in_block >= n_next) break;
+        kp = k_next + (a - in_block) * ks;
+        vp = v_next + (a - in_block) * ks;
       }
+      for (int b = 0; b < ROW_BYTES; b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(kp) + b, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char*>(vp) + b, 0, 3);
+      }
+    }
     __m512 acc[4][4];
     for (int r = 0; r < 4; ++r)
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -1528,14 +1546,26 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
           for (int64_t r = 0; r < ROWS; ++r) to_split_order<KT>(qc + r * d, split_q + r * d, d);
           const KT* kc = k_ptr + chunk_off;
           const KT* vc = v_ptr + chunk_off;
+          // The last chunk of a block prefetches into the next entry's first keys.
+          const KT* kn = nullptr;
+          const KT* vn = nullptr;
+          int64_t nn = 0;
+          if (c0 + KEY_CHUNK >= v1 && j + 1 < w.entry_end) {
+            const int32_t s0 = m.vstart[meta_row + j + 1];
+            const int64_t off = m.tables[meta_row + j + 1] * cb + s0 * cs +
+                                static_cast<int64_t>(w.kv_head) * ch;
+            kn = k_ptr + off;
+            vn = v_ptr + off;
+            nn = std::max<int64_t>(0, m.vend[meta_row + j + 1] - s0);
+          }
           if (d == 64 && rows == 3)
-            score_tile_rope512<KT, 64, 3>(split_q, kc, vc, cs, v1 - c0, split_cs, n, s);
+            score_tile_rope512<KT, 64, 3>(split_q, kc, vc, cs, v1 - c0, split_cs, n, s, kn, vn, nn);
           else if (d == 64)
-            score_tile_rope512<KT, 64>(split_q, kc, vc, cs, v1 - c0, split_cs, n, s);
+            score_tile_rope512<KT, 64>(split_q, kc, vc, cs, v1 - c0, split_cs, n, s, kn, vn, nn);
           else if (rows == 3)
-            score_tile_rope512<KT, 128, 3>(split_q, kc, vc, cs, v1 - c0, split_cs, n, s);
+            score_tile_rope512<KT, 128, 3>(split_q, kc, vc, cs, v1 - c0, split_cs, n, s, kn, vn, nn);
           else
-            score_tile_rope512<KT, 128>(split_q, kc, vc, cs, v1 - c0, split_cs, n, s);
+            score_tile_rope512<KT, 128>(split_q, kc, vc, cs, v1 - c0, split_cs, n, s, kn, vn, nn);
         } else
 #endif
         score_tile_rope(qc, k_ptr + chunk_off, v_ptr + chunk_off, cs, v1 - c0, cos_sin,
