@@ -649,15 +649,21 @@ constexpr bool split_v(int64_t d) {
   return std::is_same_v<VT, at::BFloat16> && d % 32 == 0;
 }
 
-// A row of d floats (d a multiple of 32) from split order back to head order.
-inline void from_split_order(float* __restrict row, int64_t d) {
-  const __m512i even = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i odd = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+// Each group of 32 floats of src (d a multiple of 32) reordered into dst: its first 16 by
+// index vector lo, its last 16 by hi (permutex2var indices into the group). src may be dst.
+inline void permute32(const float* src, float* dst, int64_t d, __m512i lo, __m512i hi) {
   for (int64_t g = 0; g < d; g += 32) {
-    const __m512 a = _mm512_loadu_ps(row + g), b = _mm512_loadu_ps(row + g + 16);
-    _mm512_storeu_ps(row + g, _mm512_permutex2var_ps(a, even, b));
-    _mm512_storeu_ps(row + g + 16, _mm512_permutex2var_ps(a, odd, b));
+    const __m512 a = _mm512_loadu_ps(src + g), b = _mm512_loadu_ps(src + g + 16);
+    _mm512_storeu_ps(dst + g, _mm512_permutex2var_ps(a, lo, b));
+    _mm512_storeu_ps(dst + g + 16, _mm512_permutex2var_ps(a, hi, b));
   }
+}
+
+// A row of d floats (d a multiple of 32) from split order back to head order.
+inline void from_split_order(float* row, int64_t d) {
+  permute32(row, row, d,
+            _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0),
+            _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8));
 }
 
 // pv_slice with 16-lane vectors: W x 16 head elements from x0, ROWS rows, keys [0, n); in
@@ -711,14 +717,9 @@ inline void to_split_order(const float* __restrict src, float* __restrict dst, i
   if constexpr (std::is_same_v<KT, float>) {
     std::copy(src, src + d, dst);
   } else {
-    // Once per chunk for each of the tile's rows: two permutes per 32 elements, not 32 moves.
-    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-    for (int64_t g = 0; g < d; g += 32) {
-      const __m512 a = _mm512_loadu_ps(src + g), b = _mm512_loadu_ps(src + g + 16);
-      _mm512_storeu_ps(dst + g, _mm512_permutex2var_ps(a, even, b));
-      _mm512_storeu_ps(dst + g + 16, _mm512_permutex2var_ps(a, odd, b));
-    }
+    permute32(src, dst, d,  // the evens, then the odds
+              _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0),
+              _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1));
   }
 }
 
@@ -1514,6 +1515,14 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
     if (v0 >= v1) continue;  // empty entry, or wholly after every query of the tile
     const int64_t blk = m.tables[meta_row + j];
     const int32_t first = m.first[meta_row + j];
+    // The next entry's first rows (offset, visible keys), which the prefetches run into at this
+    // entry's end; none after the item's last entry.
+    int64_t next_off = 0, next_keys = 0;
+    if (j + 1 < w.entry_end) {
+      const int32_t s0 = m.vstart[meta_row + j + 1];
+      next_off = m.tables[meta_row + j + 1] * cb + s0 * cs + static_cast<int64_t>(w.kv_head) * ch;
+      next_keys = std::max<int64_t>(0, m.vend[meta_row + j + 1] - s0);
+    }
     for (int32_t c0 = v0; c0 < v1; c0 += KEY_CHUNK) {
       const int64_t n = std::min<int64_t>(KEY_CHUNK, v1 - c0);
       const int64_t n4 = (n + 3) / 4 * 4;
@@ -1526,11 +1535,9 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
       if (ahead && c0 + KEY_CHUNK < v1) {
         v_next = v_ptr + chunk_off + KEY_CHUNK * cs;
         n_next = std::min<int64_t>(KEY_CHUNK, v1 - c0 - KEY_CHUNK);
-      } else if (ahead && j + 1 < w.entry_end) {
-        const int32_t s0 = m.vstart[meta_row + j + 1];
-        v_next = v_ptr + m.tables[meta_row + j + 1] * cb + s0 * cs +
-                 static_cast<int64_t>(w.kv_head) * ch;
-        n_next = std::max<int64_t>(0, std::min<int64_t>(KEY_CHUNK, m.vend[meta_row + j + 1] - s0));
+      } else if (ahead && next_keys > 0) {
+        v_next = v_ptr + next_off;
+        n_next = std::min<int64_t>(KEY_CHUNK, next_keys);
       }
 #ifdef MEPIC_CPU_AVX2
       if (fused) {
@@ -1547,17 +1554,9 @@ void attend(const WorkItem& w, const QT* q_ptr, int64_t qs0, int64_t qs1, const 
           const KT* kc = k_ptr + chunk_off;
           const KT* vc = v_ptr + chunk_off;
           // The last chunk of a block prefetches into the next entry's first keys.
-          const KT* kn = nullptr;
-          const KT* vn = nullptr;
-          int64_t nn = 0;
-          if (c0 + KEY_CHUNK >= v1 && j + 1 < w.entry_end) {
-            const int32_t s0 = m.vstart[meta_row + j + 1];
-            const int64_t off = m.tables[meta_row + j + 1] * cb + s0 * cs +
-                                static_cast<int64_t>(w.kv_head) * ch;
-            kn = k_ptr + off;
-            vn = v_ptr + off;
-            nn = std::max<int64_t>(0, m.vend[meta_row + j + 1] - s0);
-          }
+          const KT* kn = k_ptr + next_off;
+          const KT* vn = v_ptr + next_off;
+          const int64_t nn = c0 + KEY_CHUNK >= v1 ? next_keys : 0;
           if (d == 64 && rows == 3)
             score_tile_rope512<KT, 64, 3>(split_q, kc, vc, cs, v1 - c0, split_cs, n, s, kn, vn, nn);
           else if (d == 64)
