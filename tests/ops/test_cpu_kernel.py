@@ -63,6 +63,24 @@ def test_bf16_cache_and_query(decode, heads, head):
     check(run(b), b, 2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("head", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_scores_far_above_the_running_maximum(dtype, decode, head, block_size):
+    """The vector softmax rescales lazily: it exponentiates against a row's running maximum
+    until a score passes it by more than 8, then takes the exact step. Queries scaled by 100
+    (scores of standard deviation 100) make later chunks pass the running maximum by more than
+    88, where exp overflows float32 unless the exact step is taken (with the bound raised to
+    1000, every case here fails), so both steps and the switches between them meet the float64
+    oracle. (Not the torch reference: in bfloat16 its SDPA is off by up to 0.24 at such scores.)"""
+    b = random_batch(5, block_size, 8, 2, head=head, dtype=dtype, decode=decode)
+    b = replace(b, query=(b.query.float() * 100).to(dtype))
+    want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, b.rope.is_neox_style, b.scale)
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(run(b).double(), want, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(8, 2), (9, 3)])
 @pytest.mark.parametrize("head", [64, 128])
