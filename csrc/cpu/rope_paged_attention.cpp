@@ -574,6 +574,38 @@ static_assert(KEY_CHUNK == 64, "the AVX-512 score tile covers 64 keys as four 16
 // horizontal sums.
 inline void transpose_keys(const float* __restrict k, int64_t n, int64_t d,
                            float* __restrict kt) {
+  if (d % 16 == 0) {  // 16 x 16 blocks in registers; keys past n are zero rows
+    for (int64_t c0 = 0; c0 < KEY_CHUNK; c0 += 16)
+      for (int64_t x0 = 0; x0 < d; x0 += 16) {
+        __m512 r[16], t[16];
+        for (int i = 0; i < 16; ++i)
+          r[i] = c0 + i < n ? _mm512_loadu_ps(k + (c0 + i) * d + x0) : _mm512_setzero_ps();
+        for (int i = 0; i < 16; i += 2) {  // pairs of rows: 2 x 2 blocks of floats
+          t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+          t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+        }
+        for (int i = 0; i < 16; i += 4) {  // 4 x 4 blocks
+          const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+          const __m512d c = _mm512_castps_pd(t[i + 2]), e = _mm512_castps_pd(t[i + 3]);
+          r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+          r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+          r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+          r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+        }
+        for (int i = 0; i < 4; ++i)  // 128-bit lanes: rows i, i+4, i+8, i+12 -> 8 x 8
+          for (int h = 0; h < 2; ++h) {
+            t[8 * h + i] = _mm512_shuffle_f32x4(r[i + 8 * h], r[i + 4 + 8 * h], 0x88);
+            t[8 * h + i + 4] = _mm512_shuffle_f32x4(r[i + 8 * h], r[i + 4 + 8 * h], 0xDD);
+          }
+        for (int i = 0; i < 8; ++i) {  // 16 x 16
+          r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+          r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+        }
+        // r[m]: column x0 + m of the block, keys c0 .. c0 + 15.
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (x0 + i) * KEY_CHUNK + c0, r[i]);
+      }
+    return;
+  }
   for (int64_t x = 0; x < d; ++x) {
     float* row = kt + x * KEY_CHUNK;
     for (int64_t c = 0; c < n; ++c) row[c] = k[c * d + x];
@@ -691,6 +723,7 @@ inline void from_split_order(float* row, int64_t d) {
 template <int W, typename VT, int R = ROWS, bool SPLIT = false>
 inline void pv_slice512(const float* __restrict p, const VT* __restrict v, int64_t v_stride,
                         int64_t n, int64_t d, int64_t x0, float* __restrict acc_rows) {
+  if (n <= 0) return;
   __m512 acc[R][W];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < W; ++j) acc[r][j] = _mm512_loadu_ps(acc_rows + r * d + x0 + 16 * j);
