@@ -15,6 +15,7 @@ place, so a folder that exists with its ``.complete`` marker is always whole.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import os
@@ -366,8 +367,10 @@ class ReducedModel:
         return "reduced-" + self.architecture.removesuffix("ForCausalLM").lower()
 
     def config_values(self) -> dict[str, Any]:
-        """The transformers config values the reduced model is built from."""
-        return {**self.published, **self.reduced}
+        """The transformers config values the reduced model is built from: a deep copy, as
+        transformers writes ``rope_theta`` into the ``rope_scaling`` dict it is given (shared,
+        the published values would change under the tests that compare against them)."""
+        return copy.deepcopy({**self.published, **self.reduced})
 
 
 # Published model id -> its reduced copy. Kept from config.json: head_dim 128, the GQA ratio,
