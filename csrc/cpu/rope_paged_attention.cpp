@@ -839,6 +839,24 @@ inline void softmax_tile512(float* __restrict s, const int64_t* vis, float* __re
       const int64_t left = std::clamp<int64_t>(vis[u] - 16 * j, 0, 16);
       keep[u][j] = static_cast<__mmask16>((1u << left) - 1u);
     }
+  // Row u's scores become exp(score - mx), zero past its visible keys (no exp for vectors
+  // wholly past them: a short chunk); returns their sum, per lane.
+  const auto exp_row = [&](int u, float mx) {
+    __m512 total = _mm512_setzero_ps();
+    float* sr = s + u * KEY_CHUNK;
+    const __m512 m = _mm512_set1_ps(mx);
+    for (int j = 0; j < 4; ++j) {
+      if (keep[u][j] == 0) {
+        _mm512_storeu_ps(sr + 16 * j, _mm512_setzero_ps());
+        continue;
+      }
+      const __m512 e = _mm512_maskz_mov_ps(
+          keep[u][j], exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * j), m)));
+      _mm512_storeu_ps(sr + 16 * j, e);
+      total = _mm512_add_ps(total, e);
+    }
+    return total;
+  };
   // Lazy rescaling: while every row's scores stay within LAZY_RESCALE of its running maximum,
   // exponentiate against that maximum as it is. The exps then wait on no reduction (only the
   // check, which the branch predicts), and nothing is rescaled; p <= e^8, far from float32's
@@ -858,21 +876,7 @@ inline void softmax_tile512(float* __restrict s, const int64_t* vis, float* __re
     }
     if (over == 0) {
       __m512 total[4];
-      for (int u = 0; u < 4; ++u) {
-        total[u] = _mm512_setzero_ps();
-        float* sr = s + u * KEY_CHUNK;
-        const __m512 m = _mm512_set1_ps(vis[u] > 0 ? row_max[u] : 0.f);
-        for (int j = 0; j < 4; ++j) {
-          if (keep[u][j] == 0) {
-            _mm512_storeu_ps(sr + 16 * j, _mm512_setzero_ps());
-            continue;
-          }
-          const __m512 e = _mm512_maskz_mov_ps(
-              keep[u][j], exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * j), m)));
-          _mm512_storeu_ps(sr + 16 * j, e);
-          total[u] = _mm512_add_ps(total[u], e);
-        }
-      }
+      for (int u = 0; u < 4; ++u) total[u] = exp_row(u, vis[u] > 0 ? row_max[u] : 0.f);
       const __m128 sums = reduce4(total[0], total[1], total[2], total[3], vadd);
       _mm_storeu_ps(row_sum, _mm_add_ps(_mm_loadu_ps(row_sum), sums));
       return;
@@ -898,11 +902,9 @@ inline void softmax_tile512(float* __restrict s, const int64_t* vis, float* __re
   _mm_store_ps(nm, new_max);
   __m512 total[4];
   for (int u = 0; u < 4; ++u) {
-    total[u] = _mm512_setzero_ps();
-    float* sr = s + u * KEY_CHUNK;
-    if (vis[u] <= 0) {
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(sr + 16 * j, _mm512_setzero_ps());
+    if (vis[u] <= 0) {  // no visible key: probabilities 0, sums and outputs as they were
       a[u] = 1.f;
+      total[u] = exp_row(u, 0.f);
       continue;
     }
     if (a[u] != 1.f) {
@@ -913,17 +915,7 @@ inline void softmax_tile512(float* __restrict s, const int64_t* vis, float* __re
         _mm512_storeu_ps(acc + x, _mm512_mul_ps(av, _mm512_loadu_ps(acc + x)));
       for (; x < d; ++x) acc[x] *= a[u];
     }
-    const __m512 m = _mm512_set1_ps(nm[u]);
-    for (int j = 0; j < 4; ++j) {
-      if (keep[u][j] == 0) {  // past the row's visible keys (a short chunk): no exp
-        _mm512_storeu_ps(sr + 16 * j, _mm512_setzero_ps());
-        continue;
-      }
-      const __m512 e = _mm512_maskz_mov_ps(
-          keep[u][j], exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * j), m)));
-      _mm512_storeu_ps(sr + 16 * j, e);
-      total[u] = _mm512_add_ps(total[u], e);
-    }
+    total[u] = exp_row(u, nm[u]);
   }
   const __m128 sums = reduce4(total[0], total[1], total[2], total[3], vadd);
   _mm_storeu_ps(row_sum, _mm_fmadd_ps(_mm_loadu_ps(row_sum), _mm_load_ps(a), sums));
