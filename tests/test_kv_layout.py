@@ -1,4 +1,4 @@
-"""The CPU/CUDA backend's per-layer KV layout (``attention.block_view``) and the code that reads it.
+"""The CPU/CUDA per-layer KV layout (``ops.layout.block_view``) and the code that reads it.
 
 The backend stores a block as ``[Hkv, 2, B, D]`` (per KV head its K rows, then its V rows) and
 hands every consumer a strided logical view; these tests pin the physical layout and check that
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ascend_mepic.ops import cpu_kernel, reference, write_kv
+from ascend_mepic.ops.layout import block_view, cache_view
 from ascend_mepic.ops.reference import rope_paged_attention_reference
 from ascend_mepic.tier import transfer
-from ascend_mepic.worker.attention import block_view, cache_view
 from tests.ops.oracle import random_batch
 
 

@@ -4,7 +4,7 @@ Cache layout (every implementation): one tensor ``kv_cache[2, num_blocks, block_
 ``kv_cache[0]`` holding K and ``kv_cache[1]`` V, both without RoPE. This matches vllm-ascend's
 ``(2, num_blocks, block_size, kv_heads, head)``. The tensor may be a strided view: on CPU and CUDA
 the integration passes a view of a buffer laid out ``[num_blocks, Hkv, 2, B, D]``
-(``worker.attention.cache_view``: each block's K and V stay in that block's bytes, and one KV head's
+(``ops.layout.cache_view``: each block's K and V stay in that block's bytes, and one KV head's
 rows of a block are contiguous); implementations must index through strides, never
 ``.contiguous()`` the cache.
 

@@ -4,7 +4,7 @@ Whole blocks for the host store (private placement's padded chunk blocks); token
 tier (a chunk's canonical tokens, which the chunk arena packs from any slot of a block on).
 
 Every per-layer cache is handed over as a logical ``[num_blocks, 2, B, Hkv, D]`` view (see
-``attention.block_view``; its memory is the backend's business), indexed through its strides:
+``ops.layout.block_view``; its memory is the backend's business), indexed through its strides:
 saving whole blocks yields them in that logical order, whatever the physical layout, and token
 ranges are stored ``[n, 2, Hkv * D]``. Loads run after vLLM zeroes the step's new blocks and
 before the forward pass; saves run right after the forward pass that compiled the chunk, before

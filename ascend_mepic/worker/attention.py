@@ -3,8 +3,8 @@
 Registered over vLLM's ``CPU_ATTN`` (on CPU the platform always picks that name, so re-registering
 its path is the documented way in). The per-layer cache buffer vLLM allocates for a block holds
 ``num_kv_heads * block_size * 2 * head_size`` elements; this backend owns their meaning: per
-block, per KV head, K rows then V rows (``block_view``), passed to the ops as the strided logical
-view ``[2, num_blocks, B, Hkv, D]``.
+block, per KV head, K rows then V rows (``ops.layout.block_view``), passed to the ops as the
+strided logical view ``[2, num_blocks, B, Hkv, D]``.
 
 The builder turns vLLM's ``CommonAttentionMetadata`` plus the ``StepTables`` its runner handed
 it (logical positions, padded indices, per-block position tables) into the ops'
@@ -28,6 +28,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from ascend_mepic.ops import PagedRopeMetadata, rope_paged_attention, write_kv
+from ascend_mepic.ops.layout import cache_view
 from ascend_mepic.ops.rope import RopeSpec
 from ascend_mepic.vllm_integration.channel import StepPlanError
 from ascend_mepic.vllm_integration.runner import STEP_NOT_PLACED
@@ -44,29 +45,6 @@ class MepicAttentionMetadata:
     # The step's KV slots, for backends that write K/V inside ``forward`` (vllm-ascend's runner
     # never calls ``do_kv_cache_update``); None where vLLM hands them to ``do_kv_cache_update``.
     slot_mapping: torch.Tensor | None = None
-
-
-def block_view(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch.Tensor:
-    """The logical ``[num_blocks, 2, B, Hkv, D]`` view of vLLM's per-layer buffer.
-
-    The bytes of a block are laid out ``[Hkv, 2, B, D]``: per KV head, its K rows then its V rows,
-    each contiguous. A decode work item (one sequence, one KV head) then streams one contiguous
-    ``2 * B * D`` run per block, where a token-major block (``[2, B, Hkv, D]``) makes it read
-    ``D``-element rows ``Hkv * D`` apart: on CPU beyond L3 that cost the kernel a third of its
-    decode speed (``ascend-mepic bench kernels``, README). The layout stays block-major, so vLLM's
-    block-granular bookkeeping (allocation, zeroing new blocks) still maps to whole blocks.
-    """
-    num_blocks = kv_cache.shape[0]
-    if not kv_cache.is_contiguous():
-        raise RuntimeError("MEPIC attention needs a contiguous per-layer KV buffer (LBHNC layout)")
-    block_size = kv_cache.numel() // (num_blocks * 2 * num_kv_heads * head_size)
-    physical = kv_cache.view(num_blocks, num_kv_heads, 2, block_size, head_size)
-    return physical.permute(0, 2, 3, 1, 4)
-
-
-def cache_view(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch.Tensor:
-    """The op's logical ``[2, num_blocks, B, Hkv, D]`` view of vLLM's per-layer buffer."""
-    return block_view(kv_cache, num_kv_heads, head_size).transpose(0, 1)
 
 
 class MepicAttentionMetadataBuilder(AttentionMetadataBuilder[MepicAttentionMetadata]):

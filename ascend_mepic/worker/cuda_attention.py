@@ -48,7 +48,7 @@ class MepicCudaAttentionBackend(MepicBackendCapabilities, AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        """Per block, per KV head, K rows then V rows (``attention.block_view``)."""
+        """Per block, per KV head, K rows then V rows (``ops.layout.block_view``)."""
         return (KVCacheLayout.LBHNC,)
 
     @classmethod

@@ -22,6 +22,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ascend_mepic.config import MepicConfig
 from ascend_mepic.core.plan import ChunkMove, ChunkSave, HostLoad, StepPlan, TierLoad
+from ascend_mepic.ops.layout import block_view
 from ascend_mepic.tier import transfer as kv_transfer
 from ascend_mepic.tier.host_store import StoredChunk, host_store
 from ascend_mepic.tier.worker_io import WorkerTier
@@ -33,7 +34,6 @@ from ascend_mepic.vllm_integration.runner import (
     hand_step_tables,
 )
 from ascend_mepic.worker import blend, step
-from ascend_mepic.worker.attention import block_view
 from ascend_mepic.worker.rope import record_model_rope
 from ascend_mepic.worker.step import StepInputs
 from ascend_mepic.worker.token_map import TokenMap
@@ -72,7 +72,7 @@ class MepicRunnerMixin:
 
     def mepic_kv_buffers(self) -> list[torch.Tensor]:
         """Per-layer KV as ``tier.transfer`` reads it: logical ``[num_blocks, 2, B, Hkv, D]``
-        views (``attention.block_view``) of the buffers vLLM's CPU and GPU runners allocate.
+        views (``ops.layout.block_view``) of the buffers vLLM's CPU and GPU runners allocate.
         Built per call: only chunk moves, loads and saves use them. The NPU runner overrides this
         to view vllm-ascend's per-layer (K, V) pairs."""
         num_kv_heads = self.model_config.get_num_kv_heads(self.parallel_config)

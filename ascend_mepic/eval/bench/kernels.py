@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from ascend_mepic.ops import cpu_kernel
+from ascend_mepic.ops.layout import cache_view
 from ascend_mepic.ops.metadata import PagedRopeMetadata
 from ascend_mepic.ops.reference import rope_paged_attention_reference, write_kv
 from ascend_mepic.ops.rope import RopeSpec, default_cos_sin_cache
-from ascend_mepic.worker.attention import cache_view
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -74,7 +74,7 @@ class Case:
         q = torch.randn(num_seqs * num_queries, heads, head, generator=gen)
         self.query = q.to(dtype)
 
-        # MEPIC: un-rotated, in the backend's layout (``attention.cache_view``: per block and KV
+        # MEPIC: un-rotated, in the backend's layout (``ops.layout.cache_view``: per block and KV
         # head, K rows then V rows), the plain op-contract metadata.
         raw = torch.zeros(nb, kv_heads * 2 * block * head, dtype=dtype)
         self.mepic_cache = cache_view(raw, kv_heads, head)
