@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -406,6 +407,33 @@ def _combine_kernel(
     tl.store(o, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+@dataclass(frozen=True)
+class Launch:
+    block_m: int  # prefill: queries per tile
+    block_n: int  # padded key indices per KV tile
+    num_warps: int
+    num_stages: int
+
+
+def launch_config(decode: bool, block_size: int, max_query_len: int) -> Launch:
+    """Default tiles and launch for a call, chosen by ``bench_triton_gpu.py --sweep`` on an H100
+    (bf16, 32/8 heads, head 128; docs/results.md).
+
+    Decode: 2 warps and 3 stages read K/V 1.3-1.75x faster than 4 warps and 2 stages at 8k keys.
+    Prefill: 128 x 32 tiles beat 64 x 64 by 1.2-1.33x where a tile is part of a block (block size
+    >= 64) and a sequence has many queries; at block size 16 (2k prompt: 0.93x) and for MEPIC's
+    few recomputed rows per chunk the 64-row tile stays. The interpreter's cost is per tile, not
+    per key, so it takes 128-key tiles.
+    """
+    if INTERPRETED:
+        return Launch(64, 128, 4, 2)
+    if decode:
+        return Launch(64, 64, 2, 3)
+    if block_size >= 64 and max_query_len >= 1024:
+        return Launch(128, 32, 4, 2)
+    return Launch(64, 64, 4, 2)
+
+
 def _pow2_at_least(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(n))
 
@@ -495,6 +523,8 @@ def rope_paged_attention_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
     half_dots: bool | None = None,
 ) -> torch.Tensor:
@@ -504,7 +534,8 @@ def rope_paged_attention_triton(
     ``meta.max_query_len <= 1``, trusted as given). ``tiles`` is ``prefill_tiles(loc, block_m)``
     precomputed with the same ``block_m`` (else built here once per ``meta``, a host sync).
     ``apply_rope=False`` skips all rotation; ``block_m``/``block_n``/``num_splits`` override tile
-    sizes and decode splits (benchmarks and tests). ``half_dots`` (tests) forces the dots of
+    sizes and decode splits, ``num_warps``/``num_stages`` the main kernel's launch (benchmarks,
+    ``bench_triton_gpu.py --sweep``, and tests). ``half_dots`` (tests) forces the dots of
     fp16/bf16 inputs into their dtype (True: the GPU's path, also under the interpreter) or fp32
     (False); None: fp32 under the interpreter, their dtype on a GPU. fp32 inputs: fp32 dots.
     """
@@ -534,8 +565,12 @@ def rope_paged_attention_triton(
     if not (tables.shape == first.shape == vstart.shape == vend.shape):
         raise ValueError("block_tables and the per-block metadata must have one shape")
 
-    if block_n is None:
-        block_n = 128 if INTERPRETED else 64  # the interpreter's cost is per tile, not per key
+    decode = kernel == "decode" or (kernel is None and meta.max_query_len <= 1)
+    launch = launch_config(decode, bs, meta.max_query_len)
+    block_m = block_m or launch.block_m
+    block_n = block_n or launch.block_n
+    num_warps = num_warps or launch.num_warps
+    num_stages = num_stages or launch.num_stages
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n {block_n} must be a power of two >= 16")
     half = d // 2
@@ -573,7 +608,7 @@ def rope_paged_attention_triton(
         raise ValueError(
             f"the decode kernel takes <= 1 query per sequence, not {meta.max_query_len}"
         )
-    if kernel == "decode" or (kernel is None and meta.max_query_len <= 1):
+    if decode:
         splits = num_splits or _num_splits(
             device, meta.num_seqs * hkv, triton.cdiv(meta.max_num_blocks * bs, block_n)
         )
@@ -586,7 +621,7 @@ def rope_paged_attention_triton(
         _decode_kernel[(meta.num_seqs, hkv, splits)](
             query, out, part, lse, k, v, cos_sin, *metas, *strides, qk_scale,
             GROUP=group, BLOCK_G=_pow2_at_least(group), NUM_SPLITS=splits, **common,
-            num_warps=4, num_stages=2,
+            num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         if splits > 1:
             _combine_kernel[(t, hq)](
@@ -595,8 +630,6 @@ def rope_paged_attention_triton(
             )  # fmt: skip
         return out
 
-    if block_m is None:
-        block_m = 64
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m {block_m} must be a power of two >= 16")
     if tiles is None:  # built once per step (it syncs): every layer shares ``meta``
@@ -607,6 +640,6 @@ def rope_paged_attention_triton(
     tile_seq, tile_row = (_int32(x, device) for x in tiles)
     _prefill_kernel[(tile_seq.numel(), hq)](
         query, out, k, v, cos_sin, tile_seq, tile_row, *metas, *strides, qk_scale,
-        GROUP=group, BLOCK_M=block_m, **common, num_warps=4, num_stages=2,
+        GROUP=group, BLOCK_M=block_m, **common, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -16,12 +16,15 @@ The cos/sin cache is in the model dtype, as vLLM's rotary forward uses it. Befor
 checked against (c) (max abs diff; both are bf16 results of the same math). Timing: ``warmup``
 calls, then the median of ``repeat`` calls timed with ``torch.cuda.Event``; the L2 cache is flushed
 (a 256 MiB write) before each timed call unless ``--no-flush``. Prefill's tile map is built once
-outside the timed call, as a runner would once per step. Decode reports achieved bandwidth: bytes
-of K and V read (``batch * context * Hkv * D * 2 * itemsize``) over time, as a fraction of
-``--peak-gbps`` (default: H100 SXM, 3350 GB/s). Nothing about time is asserted.
+outside the timed calls (kept with the metadata), as in serving once per step. Decode reports
+achieved bandwidth: bytes of K and V read (``batch * context * Hkv * D * 2 * itemsize``) over
+time, as a fraction of ``--peak-gbps`` (default: H100 SXM, 3350 GB/s). Nothing about time is
+asserted. Calls of ~0.1 ms include the wrapper's host work (the GPU waits for the launch).
 
-Needs a CUDA GPU; exits with a message otherwise. It has not been run yet (written on a machine
-without a GPU).
+``--sweep`` times (a) alone over tile sizes, warps and pipeline stages (``SWEEP``, or the default
+and ``--config`` ones) and ranks them by the geometric mean of their speed-up over the default;
+the wrapper's defaults (``launch_config``) were chosen so. Needs a CUDA GPU; exits with a message
+otherwise. Measured on an H100: docs/results.md.
 """
 
 from __future__ import annotations
@@ -61,13 +64,14 @@ class Case:
     sdpa_note: str
     kv_bytes: int
     flops: float
+    call_args: tuple  # (query, kv_cache, meta, rope, scale): the wrapper's positional arguments
 
 
 def make_case(
     args: argparse.Namespace, phase: str, context: int, block_size: int, device: torch.device
 ) -> Case:
     """Random Q/K/V laid out twice: paged un-rotated (ours) and contiguous pre-rotated (SDPA)."""
-    from cuda_fallback.rope_paged_attention import prefill_tiles, rope_paged_attention_triton
+    from cuda_fallback.rope_paged_attention import rope_paged_attention_triton
 
     dtype = DTYPES[args.dtype]
     hq, hkv, d = args.heads, args.kv_heads, args.head_size
@@ -110,15 +114,12 @@ def make_case(
     v_sd = v.transpose(1, 2).contiguous()
     del k, v, k_rot, q_rot
 
-    tiles = prefill_tiles(meta.query_start_loc, 64, device) if phase == "prefill" else None
-
+    # Prefill's tile map is built by the first call (before timing) and kept in ``meta.memo``.
     def fused() -> torch.Tensor:
-        return rope_paged_attention_triton(query, kv_cache, meta, rope, scale, tiles=tiles)
+        return rope_paged_attention_triton(query, kv_cache, meta, rope, scale)
 
     def no_rope() -> torch.Tensor:
-        return rope_paged_attention_triton(
-            query, kv_cache, meta, rope, scale, apply_rope=False, tiles=tiles
-        )
+        return rope_paged_attention_triton(query, kv_cache, meta, rope, scale, apply_rope=False)
 
     causal = phase == "prefill"
 
@@ -146,7 +147,10 @@ def make_case(
 
     kv_bytes = batch * context * hkv * d * 2 * kv_cache.element_size()
     flops = 4.0 * batch * hq * d * (context * (context + 1) / 2 if causal else context)
-    return Case(phase, context, block_size, batch, fused, no_rope, sdpa_rows, note, kv_bytes, flops)
+    return Case(
+        phase, context, block_size, batch, fused, no_rope, sdpa_rows, note, kv_bytes, flops,
+        (query, kv_cache, meta, rope, scale),
+    )  # fmt: skip
 
 
 def cuda_timer(warmup: int, repeat: int, flush: bool) -> Timer:
@@ -198,6 +202,109 @@ def run_case(case: Case, timer: Timer, peak_gbps: float) -> dict[str, str]:
     }
 
 
+# Launch configurations --sweep tries per phase (the wrapper's overrides); {} = its default.
+SWEEP = {
+    "prefill": [{}]
+    + [
+        dict(block_m=m, block_n=n, num_warps=w, num_stages=st)
+        for m in (64, 128)
+        for n in (32, 64)
+        for w in (4, 8)
+        for st in (2, 3)
+    ],
+    "decode": [{}]
+    + [
+        dict(block_n=n, num_warps=w, num_stages=st)
+        for n in (32, 64, 128)
+        for w in (2, 4, 8)
+        for st in (2, 3)
+    ],
+}
+
+
+def parse_config(text: str) -> dict[str, int]:
+    """``block_m=64,block_n=64,num_warps=4,num_stages=2`` -> the wrapper's keyword overrides."""
+    keys = {"block_m", "block_n", "num_warps", "num_stages", "num_splits"}
+    config = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() not in keys or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"{item!r}: expected KEY=INT with KEY in {keys}")
+        config[key.strip()] = int(value)
+    return config
+
+
+def sweep_case(
+    case: Case, timer: Timer, configs: list[dict[str, int]] | None = None
+) -> list[dict[str, str]]:
+    """The fused kernel of ``case`` under every launch configuration of its phase, each checked
+    against SDPA first; a configuration Triton cannot build (shared memory) is reported, not
+    fatal."""
+    from cuda_fallback.rope_paged_attention import rope_paged_attention_triton
+
+    want = case.sdpa().float()
+    rows, base = [], None
+    for config in configs or SWEEP[case.phase]:
+
+        def call(config=config) -> torch.Tensor:
+            return rope_paged_attention_triton(*case.call_args, **config)
+
+        label = " ".join(f"{k}={v}" for k, v in config.items()) or "default"
+        try:
+            diff = (call().float() - want).abs().max().item()
+            ms = timer(call)
+        except Exception as exc:  # e.g. triton's OutOfResources for a large tile
+            print(f"{case.phase} {case.context} B={case.block_size} {label}: {exc!r}"[:300],
+                  file=sys.stderr)  # fmt: skip
+            rows.append(sweep_row(case, label, None, None, f"failed: {type(exc).__name__}"))
+            continue
+        base = ms if base is None else base
+        note = f"{diff:.1e}" + (" MISMATCH" if not diff <= TOLERANCE else "")
+        rows.append(sweep_row(case, label, ms, base / ms, note))
+        print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), file=sys.stderr)
+    return rows
+
+
+def sweep_row(case: Case, label: str, ms: float | None, gain: float | None, note: str):
+    return {
+        "phase": case.phase,
+        "context": str(case.context),
+        "B": str(case.block_size),
+        "config": label,
+        "fused ms": "-" if ms is None else f"{ms:.3f}",
+        "vs default": "-" if gain is None else f"{gain:.2f}",
+        "max abs diff": note,
+    }
+
+
+def sweep_summary(rows: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Per phase and configuration: the geometric mean of 'vs default' over the cases, best
+    first (a configuration that failed in any case is left out)."""
+    out = []
+    for phase in dict.fromkeys(r["phase"] for r in rows):
+        cases = {(r["context"], r["B"]) for r in rows if r["phase"] == phase}
+        by_config: dict[str, list[float]] = {}
+        for r in rows:
+            if r["phase"] == phase and r["vs default"] != "-":
+                by_config.setdefault(r["config"], []).append(float(r["vs default"]))
+        scored = [
+            (statistics.geometric_mean(g), min(g), c)
+            for c, g in by_config.items()
+            if len(g) == len(cases)
+        ]
+        for mean, worst, config in sorted(scored, reverse=True):
+            out.append(
+                {
+                    "phase": phase,
+                    "config": config,
+                    "cases": str(len(cases)),
+                    "geomean vs default": f"{mean:.2f}",
+                    "worst case": f"{worst:.2f}",
+                }
+            )
+    return out
+
+
 def markdown(rows: list[dict[str, str]]) -> str:
     cols = list(rows[0])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -223,6 +330,17 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 between calls")
     p.add_argument("--peak-gbps", type=float, default=3350.0, help="HBM peak (H100 SXM: 3350)")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="time the fused kernel over tile sizes, warps and pipeline stages instead",
+    )
+    p.add_argument(
+        "--config",
+        type=parse_config,
+        action="append",
+        help="with --sweep: time only the default and these (KEY=INT,...; repeatable)",
+    )
     args = p.parse_args()
 
     if not torch.cuda.is_available():
@@ -237,17 +355,26 @@ def main() -> None:
         f"Hkv {args.kv_heads}, D {args.head_size}; median of {args.repeat} calls",
         flush=True,
     )
+    if args.sweep:
+        print("# --sweep: the fused kernel per launch configuration; vs default = default ms / ms")
     rows = []
     for phase in args.phases:
         for context in args.contexts:
             for block_size in args.block_sizes:
                 case = make_case(args, phase, context, block_size, device)
-                rows.append(run_case(case, timer, args.peak_gbps))
-                print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+                if args.sweep:
+                    configs = [{}] + args.config if args.config else None
+                    rows.extend(sweep_case(case, timer, configs))
+                else:
+                    rows.append(run_case(case, timer, args.peak_gbps))
+                    print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), file=sys.stderr)
                 del case
                 torch.cuda.empty_cache()
     print()
     print(markdown(rows))
+    if args.sweep:
+        print()
+        print(markdown(sweep_summary(rows)))
 
 
 if __name__ == "__main__":

@@ -172,10 +172,30 @@ def test_long_context_decode_splits(dtype, num_splits, gpu_device):
 
 
 @pytest.mark.parametrize("block_n", [16, 32, 64, 128])
-@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("block_m", [16, 64, 128])
 def test_tile_sizes(block_m, block_n, gpu_device):
     b = make_batch("mixed", 3, 16, 4, 128, torch.bfloat16)
     check(via_triton(b, gpu_device, block_m=block_m, block_n=block_n), b)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_warps", [2, 4, 8])
+def test_launch_configurations(num_warps, num_stages, phase, gpu_device):
+    """Every launch ``bench_triton_gpu.py --sweep`` tries gives the oracle's result."""
+    b = make_batch(phase, 10, 128, 4, 128, torch.bfloat16)
+    check(via_triton(b, gpu_device, num_warps=num_warps, num_stages=num_stages), b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_long_prefill_takes_the_wide_tile(dtype, gpu_device):
+    """A 1.1k-query prefill at block size 128: ``launch_config`` picks 128 x 32 tiles there."""
+    from cuda_fallback import rope_paged_attention as tri
+
+    b = random_batch(11, 128, 8, 2, head=128, dtype=dtype, num_seqs=1, max_segment=1100)
+    assert b.meta.max_query_len >= 1024, b.meta.max_query_len
+    assert tri.launch_config(False, 128, b.meta.max_query_len).block_m == 128
+    check(via_ops(b, gpu_device), b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
