@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.ascend-mepic-setup
 DEMO_DIR ?= results/demo
 
-.PHONY: setup lock test test-ascend test-npu test-gpu lint demo bench clean
+.PHONY: setup lock test test-ascend test-npu test-gpu test-gpu-kernels lint demo bench clean
 
 setup: $(STAMP)
 
@@ -90,7 +90,8 @@ test-npu:
 	$(NPU_PY) -m pytest -q -rs -m npu tests/npu; tests=$$?; \
 	exit $$(( doctor != 0 ? doctor : tests ))
 
-# On a CUDA GPU (UNTESTED ON A GPU): `ascend-mepic doctor`, then tests/gpu (the Triton kernels
+# On a CUDA GPU (never run with vLLM on a GPU; the kernel tests ran on an H100):
+# `ascend-mepic doctor`, then tests/gpu (the Triton kernels
 # against the float64 oracle, benchmarks/ops/bench_triton_gpu.py at a tiny size, a tiny model
 # through MEPIC against stock vLLM with piecewise CUDA graphs and once eager), in the Python of a
 # CUDA environment (CUDA torch, vLLM 0.30.0's CUDA build, `pip install -e .` of this package):
@@ -102,6 +103,11 @@ test-gpu:
 	@$(GPU_PY) -m ascend_mepic.entrypoints.cli doctor; doctor=$$?; \
 	$(GPU_PY) -m pytest -q -rs -m gpu tests/gpu; tests=$$?; \
 	exit $$(( doctor != 0 ? doctor : tests ))
+
+# The Triton kernels alone on a GPU machine without vLLM (CUDA torch and Triton are enough; this
+# checkout is put on the path, nothing is installed): how they ran on an H100 (docs/results.md).
+test-gpu-kernels:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -rs -m gpu tests/gpu/test_gpu_kernels.py
 
 # The paper's Table 2 comparison in a quick size on CPU: a SQuAD trace, the KV planner over it, then
 # full / EPIC-16 / CacheBlend-15 / MEPIC in the real engine. Ends with a short summary, a plot

@@ -41,9 +41,9 @@ inputs use their own dtype for the dots (rotated Q/K are rounded back to it, as 
 reference does) with fp32 accumulation. ``half_dots=True`` runs that GPU path under the
 interpreter too (tests only: ``tests/ops/test_triton_half.py``, bf16 through a test-side patch).
 
-Status: tested on CPU under ``TRITON_INTERPRET=1`` only (``tests/ops/test_triton.py``; the half
-dots: ``tests/ops/test_triton_half.py``). It has NOT been run on a real GPU;
-``benchmarks/ops/bench_triton_gpu.py`` is the first thing to run on one.
+Status: tested on CPU under ``TRITON_INTERPRET=1`` (``tests/ops/test_triton.py``; the half dots:
+``tests/ops/test_triton_half.py``) and on one H100 (``tests/gpu/test_gpu_kernels.py``; timings
+by ``benchmarks/ops/bench_triton_gpu.py``, docs/results.md). Not run inside vLLM on a GPU.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """MEPIC's Triton kernels (``cuda_fallback/rope_paged_attention.py``) on a CUDA GPU against the
-float64 oracle of ``tests/ops/oracle.py``. UNTESTED ON A GPU: written on a machine without one.
+float64 oracle of ``tests/ops/oracle.py``. Run on one H100 (2026-11-26, without vLLM: these tests
+need only CUDA torch and Triton); docs/results.md.
 
 On CPU the kernels run only under Triton's interpreter (``tests/ops/test_triton.py``,
 ``tests/ops/test_triton_half.py``); here they are compiled for the GPU: fp16/bf16 dots on tensor
