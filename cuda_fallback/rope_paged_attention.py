@@ -417,13 +417,13 @@ class Launch:
 
 def launch_config(decode: bool, block_size: int, max_query_len: int) -> Launch:
     """Default tiles and launch for a call, chosen by ``bench_triton_gpu.py --sweep`` on an H100
-    (bf16, 32/8 heads, head 128; docs/results.md).
+    (bf16, 32/8 heads, head 128 only; docs/results.md).
 
-    Decode: 2 warps and 3 stages read K/V 1.3-1.75x faster than 4 warps and 2 stages at 8k keys.
-    Prefill: 128 x 32 tiles beat 64 x 64 by 1.2-1.33x where a tile is part of a block (block size
-    >= 64) and a sequence has many queries; at block size 16 (2k prompt: 0.93x) and for MEPIC's
-    few recomputed rows per chunk the 64-row tile stays. The interpreter's cost is per tile, not
-    per key, so it takes 128-key tiles.
+    Decode: 2 warps and 3 stages, 1.31-1.36x faster than 4 warps and 2 stages at 8k-32k keys.
+    Prefill: 128 x 32 tiles, 1.20-1.49x faster than 64 x 64 at 2k-32k prompts where a tile is part
+    of a block (block size >= 64); at block size 16 they were not better (0.93x at 2k), and MEPIC's
+    few recomputed rows per chunk would waste most of a 128-row tile, so 64 x 64 stays there. The
+    interpreter's cost is per tile, not per key, so it takes 128-key tiles.
     """
     if INTERPRETED:
         return Launch(64, 128, 4, 2)
