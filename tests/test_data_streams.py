@@ -111,7 +111,8 @@ def trace_file(runs: Runs) -> Path:
 
 def test_trace_to_stdout_is_pure_jsonl(trace_file: Path, runs: Runs) -> None:
     proc = runs.result("trace")
-    _vllm_logged(proc)
+    # `trace` no longer imports vLLM (the KV layout moved to ops/layout.py, 0f4c2f0), so there is
+    # no vLLM log to catch here; every stdout line must still parse as one JSON record.
     lines = proc.stdout.splitlines()
     assert [json.loads(line) for line in lines] == [
         json.loads(line) for line in trace_file.read_text().splitlines()
