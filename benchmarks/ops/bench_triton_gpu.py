@@ -265,7 +265,9 @@ def sweep_case(
     return rows
 
 
-def sweep_row(case: Case, label: str, ms: float | None, gain: float | None, note: str):
+def sweep_row(
+    case: Case, label: str, ms: float | None, gain: float | None, note: str
+) -> dict[str, str]:
     return {
         "phase": case.phase,
         "context": str(case.context),

@@ -183,7 +183,8 @@ def test_tile_sizes(block_m, block_n, gpu_device):
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("num_warps", [2, 4, 8])
 def test_launch_configurations(num_warps, num_stages, phase, gpu_device):
-    """Every launch ``bench_triton_gpu.py --sweep`` tries gives the oracle's result."""
+    """Every warps and stages value ``bench_triton_gpu.py --sweep`` tries (and stages 1 and 4),
+    at the default tiles, gives the oracle's result; other tiles: ``test_tile_sizes``."""
     b = make_batch(phase, 10, 128, 4, 128, torch.bfloat16)
     check(via_triton(b, gpu_device, num_warps=num_warps, num_stages=num_stages), b)
 
