@@ -38,8 +38,19 @@ def rotate_complex(x: torch.Tensor, pos: torch.Tensor, base: float, neox: bool) 
 
 
 def dense_oracle(
-    query, kv_cache, meta: PagedRopeMetadata, base: float, neox: bool, scale: float
+    query,
+    kv_cache,
+    meta: PagedRopeMetadata,
+    base: float,
+    neox: bool,
+    scale: float,
+    tile_rows: int | None = None,
 ) -> torch.Tensor:
+    """Attention in float64. ``tile_rows``: sequences with at least that many query rows
+    (queries x GQA group; the CPU kernel's AMX paths take them) get their scores from what the
+    AMX paths feed the tiles, the rotated and scaled queries and the rotated keys rounded to
+    bfloat16: at large scores the paths' error is that rounding's, which the oracle then
+    shares."""
     out = torch.zeros(query.shape, dtype=torch.float64)
     bs = meta.block_size
     hq, hkv = query.shape[1], kv_cache.shape[3]
@@ -61,6 +72,9 @@ def dense_oracle(
         v = torch.stack(vals)
         rows = slice(loc[s], loc[s + 1])
         q = rotate_complex(query[rows].double(), meta.query_positions[rows], base, neox)
+        if tile_rows is not None and (loc[s + 1] - loc[s]) * group >= tile_rows:
+            k = k.to(torch.bfloat16).double()
+            q = (q * scale).to(torch.bfloat16).double() / scale
         allowed = torch.tensor(kidx)[None, :] <= meta.query_indices[rows, None].long()
         for h in range(hq):
             scores = (q[:, h] @ k[:, h // group].T) * scale

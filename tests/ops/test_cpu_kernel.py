@@ -63,11 +63,12 @@ def test_bf16_cache_and_query(decode, heads, head):
     check(run(b), b, 2e-2)
 
 
+@pytest.mark.parametrize("amx_path", [False], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("head", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 128])
-def test_scores_far_above_the_running_maximum(dtype, decode, head, block_size):
+def test_scores_far_above_the_running_maximum(amx_path, dtype, decode, head, block_size):
     """The vector softmax rescales lazily: it exponentiates against a row's running maximum
     until a score passes it by more than 8, then takes the exact step. Queries scaled by 100
     (scores of standard deviation 100) make later chunks pass the running maximum by more than
@@ -79,6 +80,25 @@ def test_scores_far_above_the_running_maximum(dtype, decode, head, block_size):
     want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, b.rope.is_neox_style, b.scale)
     tol = 1e-3 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(run(b).double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("amx_path", [True], indirect=True)
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("head", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_amx_scores_far_above_the_running_maximum(amx_path, decode, head, block_size):
+    """The AMX paths' softmaxes (their own headroom steps) at scores of standard deviation 100.
+    They multiply bfloat16 on the tiles: the rotated, scaled queries and rotated keys rounded
+    to bfloat16, which alone moves such outputs by up to 0.8 from the float64 oracle of the
+    test above (as bfloat16 SDPA is moved), so here the oracle takes the same rounded inputs
+    for the sequences on the tiles: decode with a GQA group of 8 (wider than the vector tile's
+    4 rows), and prefill sequences of at least 16 rows. Found by the AMX emulation build
+    (test_cpu_kernel_amx_emulated.py) on a CPU without AMX."""
+    b = random_batch(5, block_size, 16, 2, head=head, dtype=torch.bfloat16, decode=decode)
+    b = replace(b, query=(b.query.float() * 100).to(torch.bfloat16))
+    want = dense_oracle(b.query, b.kv_cache, b.meta, b.base, b.rope.is_neox_style, b.scale,
+                        tile_rows=8 if decode else 16)  # fmt: skip
+    torch.testing.assert_close(run(b).double(), want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
