@@ -5,7 +5,8 @@ every oracle test: the AMX prefill of an 18-row item once wrote past rows sized 
 and only the engine's worker crashed (d23da8b). The guard build (``-DMEPIC_CPU_GUARD``) sizes
 every buffer exactly, puts a pattern after it and fails the call that overwrites it; here it
 runs every path (float32 and bfloat16, AMX on and off, decode with and without splits,
-prefill, narrow calls before wide ones) against the float64 oracle, in a fresh process.
+prefill, narrow calls before wide ones) against the float64 oracle, in a fresh process. On a
+CPU without AMX the guard build also emulates it (``-DMEPIC_AMX_EMULATE``) where it can.
 """
 
 from __future__ import annotations
@@ -20,10 +21,6 @@ import pytest
 
 from ascend_mepic.ops import cpu_kernel
 from tests.ops.amx_emulation import DEFINE, can_emulate, has_amx
-
-# Without AMX, the guard build emulates it (where it can), so the AMX paths' buffers are
-# checked on every machine that can run them at all.
-EMULATED = (DEFINE,) if not has_amx() and can_emulate()[0] else ()
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,27 +68,31 @@ print(json.dumps({"calls": calls, "amx": amx_runs}))
 
 
 @pytest.fixture(scope="module")
-def guard_library(tmp_path_factory) -> Path:
+def guard_library(tmp_path_factory) -> tuple[Path, bool]:
+    """The guard build and whether it emulates AMX: without AMX it does where it can, so the
+    AMX paths' buffers are checked on every machine that can run those paths at all."""
     variant, why = cpu_kernel.choose_variant()
     if variant is None:
         pytest.skip(f"no kernel variant runs on this CPU ({why})")
+    emulated = variant == "avx512" and not has_amx() and can_emulate()[0]
     output = tmp_path_factory.mktemp("guard") / f"ascend_mepic_cpu_{variant}_guard.so"
-    defines = ("MEPIC_CPU_GUARD", *EMULATED)
+    defines = ("MEPIC_CPU_GUARD", *((DEFINE,) if emulated else ()))
     command = cpu_kernel._compile_command(variant, output, defines=defines)
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return output
+    return output, emulated
 
 
 def test_every_path_stays_inside_its_buffers(guard_library):
+    library, emulated = guard_library
     env = dict(os.environ)
     env.pop(cpu_kernel.ISA_ENV, None)
     done = subprocess.run(
-        [sys.executable, "-c", SWEEP, str(guard_library)], cwd=ROOT, env=env,
+        [sys.executable, "-c", SWEEP, str(library)], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["calls"] == 2 * 3 * 3 * (4 * 3 + 6), result
-    if EMULATED:
+    if emulated:
         assert result["amx"], "the emulation build did not take the AMX paths"
