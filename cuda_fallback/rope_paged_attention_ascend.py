@@ -1,63 +1,62 @@
-"""Fused-RoPE paged attention written for triton-ascend (Ascend 910B): the NPU's default kernel.
+"""Fused-RoPE paged attention written for triton-ascend (Ascend 910B): the NPU's default kernel
+for the shapes torch_npu's fused attention does not take.
 
-UNTESTED ON HARDWARE: this kernel has never been compiled for or run on an Ascend NPU (no NPU and
-no CANN toolkit on the machines it was built on). It is checked only under triton-ascend 3.2.0's
-CPU interpreter and upstream Triton's (``tests/ops/test_ascend_kernel.py``), against the dense
-oracle and the torch reference, with fp32 dots and with the fp16/bf16 dots the NPU would run. The
-interpreter does not catch UB overflow, lowering failures or silent scalarisation; the choices
-below follow triton-ascend's documented constraints so that those are unlikely, not proven absent.
+UNTESTED ON HARDWARE: this kernel has never run on an Ascend NPU (no NPU and no CANN toolkit on
+the machines it was built on). What is checked: every launch the worker can make goes through
+triton-ascend 3.2's own compiler stages ``ttir`` and ``ttadapter`` (``triton-adapter-opt``) for a
+910B3 target (``tests/ops/test_ascend_compile.py``); the last stage, CANN's ``bishengir-compile``
+to an NPU binary, is not run (``tests/ops/ascend_compile.CANN_ONLY_CHECKS`` lists what it could
+still reject). Numerics are checked under triton-ascend's and upstream Triton's CPU interpreters
+(``tests/ops/test_ascend_kernel.py``) against the dense float64 oracle.
 
 Same contract as ``cuda_fallback.rope_paged_attention`` (``ascend_mepic.ops.metadata``): K and V
 un-rotated in ``[2, num_blocks, B, Hkv, D]`` (vllm-ascend's ``(2, num_blocks, 128, kv_heads,
 head)``), scattered un-rotated queries, per-entry valid ranges and positions. What differs from
-the GPU kernel, and why (triton-ascend's migration and performance guides):
+the GPU kernel, and why (triton-ascend's migration and performance guides, and the forms
+vllm-ascend 0.30.0rc2's own Triton kernels use, ``vllm_ascend/ops/triton/``):
 
 * **Persistent grid.** Programs are bound to AI cores and a grid larger than the core count runs
   in batches, so the grid is the core count (``num_cores``) and each program loops over work items
-  ``w = pid, pid + cores, ...``. The number of work items is read from a device tensor, so the
-  launch shape depends only on the core count and the batch's sequence count (graph-capture
-  friendly: no per-step scalar frozen into the grid).
-* **One page per iteration, no data-dependent branch.** Gathers (offsets loaded from memory) lower
-  to scalar loops on Ascend. The kernel walks a sequence's block table one entry at a time: block
-  id, first position and valid range are *scalars*, and each K/V sub-tile is an affine
-  ``[BLOCK_N, D]`` load (``block * stride + slot * stride + column``), as are its cos/sin rows.
-  Which entries and sub-tiles are visited is decided by loop bounds computed before each loop
-  (entries up to the tile's last query; sub-tiles covering ``[valid_start, valid_end)``), so an
-  empty entry is an empty loop, not a branch that would compile to masked work anyway.
-* **Q through block pointers.** A tile's rows are ``BLOCK_Q`` consecutive queries times the
-  ``GROUP`` query heads of one KV head: a strided ``[BLOCK_Q, GROUP, HALF]`` box, loaded with
-  ``tl.make_block_ptr`` (boundary checks instead of masks; the box's shape ends at the item's last
-  row and the KV head's last query head) and reshaped to ``[BLOCK_Q * GROUP_P, HALF]`` rows for
-  ``tl.dot``; the output is stored the same way. Only the queries' cos/sin rows are a gather (one
-  position per query, once per tile, outside the page loop).
+  ``w = pid, pid + cores, ...``. The number of work items is read from a device tensor.
+* **Every tile is a 2-D, unit-inner-stride tile at a scalar base** (``_load_tile``: a 2-D block
+  pointer under triton-ascend, the same tile as masked pointer arithmetic under upstream Triton,
+  which removed block pointers). No 3-D box, no stride-2 load, no gather in the hot loop:
+  - K and V: a block-table entry's block id, first position and valid range are scalars; its
+    sub-tiles start at the first valid slot (``[row0, row0 + BLOCK_N)`` cut at ``valid_end``), so
+    one upper bound masks them and the cos/sin rows of their positions are consecutive rows of
+    the table, loaded as a tile too.
+  - Rotation pairs: NeoX halves are two column-offset tiles; GPT-J pairs are whole rows split
+    with ``tl.split`` (as vllm-ascend's RoPE kernel does).
+  - Decode: one query per sequence; its position and index are scalar loads, its cos/sin one
+    contiguous row broadcast over the ``GROUP`` heads (rows ``stride_qh`` apart). The review
+    found that a gather of per-query cos/sin rows with one query per tile aborts
+    ``triton-adapter-opt`` (``BlockPtrAnalysis``: ``addptrRes.hasOneUse()``).
+  - Prefill: a small kernel (``_rope_q_kernel``, the decode's query prologue per (query, KV head))
+    first writes the rotated, pre-scaled queries in ``[Hkv, T * GROUP, D]`` order, so a tile of
+    (query, head) rows of one KV head is one 2-D tile; the output is written in the same order
+    and put back in ``[T, Hq, D]`` by one copy.
 * **K rotated once per page and KV head.** A prefill work item is (sequence, KV head, run of
-  consecutive query tiles). Its first tile to reach an entry rotates that entry's K and writes the
-  rotated rows, in the dot dtype, to the program's own scratch (``[cores, max_keys, D]`` in HBM);
-  later tiles of the item read them back instead of reloading raw K and cos/sin. Runs are as long
-  as the core count allows (``prefill_items``: one run per (sequence, KV head) when there are
-  enough of those to fill the cores), so a page is rotated ``runs`` times, not once per query
-  tile. Decode work items (sequence, KV head, split) see each page once. A program reads back
-  only what it wrote itself; whether triton-ascend orders that HBM store before the later load
-  without an explicit barrier is not verified on hardware.
-* **GQA rows.** Rows are the ``GROUP`` query heads sharing the KV head (padded to ``GROUP_P``),
-  so K/V are read once per KV head and ``tl.dot`` gets ``BLOCK_Q * GROUP_P >= 16`` rows.
+  consecutive query rows). Its first tile to reach an entry rotates that entry's K and writes the
+  rotated halves, in the dot dtype, to the program's own scratch (``[cores, max_keys, D]`` in
+  HBM); later tiles of the item read them back. A program reads back only what it wrote itself;
+  whether triton-ascend orders that HBM store before the later load without an explicit barrier
+  is not verified on hardware.
+* **GQA rows.** Rows are the query heads sharing a KV head, so K/V are read once per KV head and
+  ``tl.dot`` gets >= 16 rows (prefill: ``ROWS`` (query, head) rows; decode: the group padded).
 * **Masks in fp32.** Integer vector compares drop to scalar code on A2; the valid-range and causal
-  masks compare float32 copies of slot and padded indices (exact below 2**24).
+  masks compare float32 copies of slot and query indices (exact below 2**24).
 * **UB budget.** A2's unified buffer is 192 KB; with double buffering about 96 KB
-  (``UB_BUDGET``) is usable. ``ub_tiles`` lists every tile live in one page iteration (Q halves,
-  accumulator, raw/fp32/rotated K halves, cos/sin, rotation products, V, scores, mask, P) and
-  ``choose_tiles`` picks the largest ``BLOCK_N`` and rows that fit: head 128 gets 16-key sub-tiles
-  and 32 rows, head 64 32 keys and 32 rows (decode: 16 rows). It is an estimate that counts every
-  tile as simultaneously live, not a measurement; the compiler may need more (broadcast copies,
-  scratch) or reuse dead buffers.
+  (``UB_BUDGET``) is usable. ``ub_tiles`` lists every tile live in one page iteration and
+  ``choose_tiles`` picks the largest rows and ``BLOCK_N`` that fit. It is an estimate that counts
+  every tile as simultaneously live, not a measurement: only CANN's stage allocates UB.
 * **Split-KV decode.** One query per sequence leaves cores idle when the batch is small, so the
   block table is split into ``num_splits`` ranges (from the core count), each writing a partial
   output and its log2-sum-exp; a combine kernel merges them.
 
-Scores are ``q.k = q1.k1 + q2.k2`` on the rotated halves (neox: the two halves; GPT-J: even and odd
-columns), online softmax in fp32 with exp2; dots take fp32 or the input's half dtype with fp32
-accumulation. Under an interpreter bf16 dots fall back to fp32 unless ``half_dots=True`` (Triton's
-interpreter multiplies bf16's raw bits; the tests patch it to upcast), fp16 dots run as on the NPU.
+Scores are ``q.k = q1.k1 + q2.k2`` on the rotated halves, online softmax in fp32 with exp2; dots
+take fp32 or the input's half dtype with fp32 accumulation. Under an interpreter bf16 dots fall
+back to fp32 unless ``half_dots=True`` (Triton's interpreter multiplies bf16's raw bits; the tests
+patch it to upcast), fp16 dots run as on the NPU.
 """
 
 from __future__ import annotations
@@ -65,6 +64,9 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -200,164 +202,102 @@ def choose_tiles(
 
 
 @triton.jit
-def _rotated_halves(
-    rows_ptr,
-    pos,
-    row_mask,
-    cos_sin_ptr,
-    stride_cs,
-    HALF: tl.constexpr,
-    HALF_P: tl.constexpr,
-    IS_NEOX: tl.constexpr,
-):
-    """Load K rows' rotation halves ``[N, HALF_P]`` (affine) and rotate them at ``pos`` (fp32)."""
-    c = tl.arange(0, HALF_P)
-    if IS_NEOX:
-        c1 = c
-        c2 = c + HALF
-    else:
-        c1 = 2 * c
-        c2 = 2 * c + 1
-    mask = row_mask[:, None] & (c < HALF)[None, :]
-    x1 = tl.load(rows_ptr[:, None] + c1[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(rows_ptr[:, None] + c2[None, :], mask=mask, other=0.0).to(tl.float32)
-    cs = cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs + c[None, :]
-    cos = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(cs + HALF, mask=mask, other=0.0).to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+def _i64(x):
+    """``x`` as an int64 scalar (a loop index is a Python int under the interpreter)."""
+    return tl.zeros([], tl.int64) + x
 
 
 @triton.jit
-def _q_box(
+def _load_tile(
     base,
-    row_end,
+    n_rows,
     row0,
-    stride_qt,
-    stride_qh,
-    BLOCK_Q: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_P: tl.constexpr,
+    stride_row,
+    n_cols,
+    ROWS: tl.constexpr,
     COLS: tl.constexpr,
-    COLS_P: tl.constexpr,
-    COL_STRIDE: tl.constexpr,
     BLOCK_PTR: tl.constexpr,
 ):
-    """Rows ``[row0, row0 + BLOCK_Q)`` (ending at ``row_end``) x the ``GROUP`` heads from ``base``
-    x ``COLS`` columns ``COL_STRIDE`` apart, as ``(pointer, mask)``.
+    """Rows ``[row0, row0 + ROWS)`` x columns ``[0, COLS)`` of a row-major 2-D region with unit
+    column stride, zero past ``n_rows`` rows and ``n_cols`` columns.
 
-    ``BLOCK_PTR``: a block pointer whose boundary checks zero the rest (mask None); else the same
-    strided box as pointer arithmetic on aranges with a mask (upstream Triton removed block
-    pointers; its interpreter runs this form).
+    ``BLOCK_PTR``: a 2-D block pointer (triton-ascend's idiom; vllm-ascend's kernels use this
+    form); else the same tile as pointer arithmetic with a mask (upstream Triton, which removed
+    block pointers, runs this form in its interpreter).
     """
     if BLOCK_PTR:
         ptr = tl.make_block_ptr(
             base,
-            shape=(row_end, GROUP, COLS),
-            strides=(stride_qt, stride_qh, COL_STRIDE),
-            offsets=(row0, 0, 0),
-            block_shape=(BLOCK_Q, GROUP_P, COLS_P),
-            order=(2, 1, 0),
+            shape=(n_rows, n_cols),
+            strides=(stride_row, 1),
+            offsets=(row0, 0),
+            block_shape=(ROWS, COLS),
+            order=(1, 0),
         )
-        mask = None
+        x = tl.load(ptr, boundary_check=(0, 1), padding_option="zero")
     else:
-        r = row0 + tl.arange(0, BLOCK_Q)
-        g = tl.arange(0, GROUP_P)
-        c = tl.arange(0, COLS_P)
-        ptr = (
-            base
-            + r.to(tl.int64)[:, None, None] * stride_qt
-            + g[None, :, None] * stride_qh
-            + c[None, None, :] * COL_STRIDE
-        )
-        mask = (r < row_end)[:, None, None] & (g < GROUP)[None, :, None] & (c < COLS)[None, None, :]
-    return ptr, mask
+        r = row0 + tl.arange(0, ROWS)
+        c = tl.arange(0, COLS)
+        mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
+        x = tl.load(base + r.to(tl.int64)[:, None] * stride_row + c[None, :], mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
-def _load_box(ptr, mask, BLOCK_PTR: tl.constexpr):
-    if BLOCK_PTR:
-        x = tl.load(ptr, boundary_check=(0, 1, 2), padding_option="zero")
-    else:
-        x = tl.load(ptr, mask=mask, other=0.0)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _load_q_tile(
-    q_ptr,
-    head0,
+def _store_tile(
+    base,
+    x,
+    n_rows,
     row0,
-    row_end,
-    pos,
-    row_mask,
-    cos_sin_ptr,
-    stride_cs,
-    stride_qt,
-    stride_qh,
-    qk_scale,
-    BLOCK_Q: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_P: tl.constexpr,
+    stride_row,
+    n_cols,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    BLOCK_PTR: tl.constexpr,
+):
+    """Store ``x`` ``[ROWS, COLS]`` where ``_load_tile`` would load it (in range only)."""
+    if BLOCK_PTR:
+        ptr = tl.make_block_ptr(
+            base,
+            shape=(n_rows, n_cols),
+            strides=(stride_row, 1),
+            offsets=(row0, 0),
+            block_shape=(ROWS, COLS),
+            order=(1, 0),
+        )
+        tl.store(ptr, x, boundary_check=(0, 1))
+    else:
+        r = row0 + tl.arange(0, ROWS)
+        c = tl.arange(0, COLS)
+        mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
+        tl.store(base + r.to(tl.int64)[:, None] * stride_row + c[None, :], x, mask=mask)
+
+
+@triton.jit
+def _load_pairs(
+    base,
+    n_rows,
+    row0,
+    stride_row,
+    ROWS: tl.constexpr,
     HALF: tl.constexpr,
     HALF_P: tl.constexpr,
-    IS_NEOX: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    BLOCK_PTR: tl.constexpr,
-):
-    """Queries ``[row0, row0 + BLOCK_Q)`` x heads ``[head0, head0 + GROUP)`` as two rotated,
-    pre-scaled halves ``[BLOCK_Q * GROUP_P, HALF_P]`` in the dot dtype (block-pointer loads)."""
-    base = q_ptr + head0 * stride_qh
-    if IS_NEOX:
-        p1, m1 = _q_box(base, row_end, row0, stride_qt, stride_qh, BLOCK_Q, GROUP, GROUP_P, HALF,
-                        HALF_P, 1, BLOCK_PTR)  # fmt: skip
-        p2, m2 = _q_box(base + HALF, row_end, row0, stride_qt, stride_qh, BLOCK_Q, GROUP,
-                        GROUP_P, HALF, HALF_P, 1, BLOCK_PTR)  # fmt: skip
-    else:
-        p1, m1 = _q_box(base, row_end, row0, stride_qt, stride_qh, BLOCK_Q, GROUP, GROUP_P, HALF,
-                        HALF_P, 2, BLOCK_PTR)  # fmt: skip
-        p2, m2 = _q_box(base + 1, row_end, row0, stride_qt, stride_qh, BLOCK_Q, GROUP, GROUP_P,
-                        HALF, HALF_P, 2, BLOCK_PTR)  # fmt: skip
-    x1 = _load_box(p1, m1, BLOCK_PTR)
-    x2 = _load_box(p2, m2, BLOCK_PTR)
-    c = tl.arange(0, HALF_P)
-    cmask = row_mask[:, None] & (c < HALF)[None, :]
-    cs = cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs + c[None, :]
-    cos = tl.load(cs, mask=cmask, other=0.0).to(tl.float32)[:, None, :]
-    sin = tl.load(cs + HALF, mask=cmask, other=0.0).to(tl.float32)[:, None, :]
-    q1 = tl.reshape((x1 * cos - x2 * sin) * qk_scale, (BLOCK_Q * GROUP_P, HALF_P))
-    q2 = tl.reshape((x2 * cos + x1 * sin) * qk_scale, (BLOCK_Q * GROUP_P, HALF_P))
-    if not DOT_FP32:
-        q1 = q1.to(q_ptr.dtype.element_ty)
-        q2 = q2.to(q_ptr.dtype.element_ty)
-    return q1, q2
-
-
-@triton.jit
-def _store_out_tile(
-    out_ptr,
-    head0,
-    row0,
-    row_end,
-    acc,
-    l_i,
-    stride_ot,
-    stride_oh,
-    BLOCK_Q: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_P: tl.constexpr,
     D: tl.constexpr,
     D_P: tl.constexpr,
+    IS_NEOX: tl.constexpr,
     BLOCK_PTR: tl.constexpr,
 ):
-    """Normalise and store ``[BLOCK_Q * GROUP_P, D_P]`` rows through a block pointer."""
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out = tl.reshape(out, (BLOCK_Q, GROUP_P, D_P)).to(out_ptr.dtype.element_ty)
-    ptr, mask = _q_box(out_ptr + head0 * stride_oh, row_end, row0, stride_ot, stride_oh, BLOCK_Q,
-                       GROUP, GROUP_P, D, D_P, 1, BLOCK_PTR)  # fmt: skip
-    if BLOCK_PTR:
-        tl.store(ptr, out, boundary_check=(0, 1, 2))
+    """The rotation pairs of ``ROWS`` head rows as two fp32 halves ``[ROWS, HALF_P]``: column
+    ``c`` of each is pair ``c`` (NeoX: columns ``c`` and ``c + HALF``; GPT-J: ``2c`` and
+    ``2c + 1``). NeoX loads each half as its own unit-stride tile; GPT-J loads whole rows and
+    splits them with ``tl.split`` (no stride-2 load; as vllm-ascend's RoPE kernel does)."""
+    if IS_NEOX:
+        x1 = _load_tile(base, n_rows, row0, stride_row, HALF, ROWS, HALF_P, BLOCK_PTR)
+        x2 = _load_tile(base + HALF, n_rows, row0, stride_row, HALF, ROWS, HALF_P, BLOCK_PTR)
     else:
-        tl.store(ptr, out, mask=mask)
+        x = _load_tile(base, n_rows, row0, stride_row, D, ROWS, D_P, BLOCK_PTR)
+        x1, x2 = tl.split(tl.reshape(x, (ROWS, HALF_P, 2)))
+    return x1.to(tl.float32), x2.to(tl.float32)
 
 
 @triton.jit
@@ -392,42 +332,53 @@ def _attend_entry(
     IS_NEOX: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SCRATCH: tl.constexpr,
+    BLOCK_PTR: tl.constexpr,
 ):
     """Online softmax of the rows over block-table entry ``j``'s valid sub-tiles.
 
-    ``SCRATCH``: 0 rotate K; 1 rotate K and write it to the scratch rows ``j * B + slot``;
-    2 read the rotated K back from there (no raw K, no cos/sin). The sub-tile loop's bounds
-    cover ``[valid_start, valid_end)``, so an empty entry costs no iteration.
+    ``SCRATCH``: 0 rotate K; 1 rotate K and write it to the scratch rows ``j * B + slot`` (the
+    two rotated halves side by side); 2 read the rotated K back from there (no raw K, no
+    cos/sin). The sub-tile loop's bounds cover ``[valid_start, valid_end)``, so an empty entry
+    costs no iteration. Every tile is a 2-D unit-stride tile at a scalar base: K and V rows of
+    the page, and the cos/sin rows of their positions, which are consecutive.
     """
     n = tl.arange(0, BLOCK_N)
-    c = tl.arange(0, HALF_P)
-    d = tl.arange(0, D_P)
     blk = tl.load(block_tables_ptr + meta_row + j).to(tl.int64)
     first = tl.load(first_pos_ptr + meta_row + j)
     v_start = tl.load(valid_start_ptr + meta_row + j)
     v_end = tl.load(valid_end_ptr + meta_row + j)
-    v_start_f = v_start.to(tl.float32)
     v_end_f = v_end.to(tl.float32)
-    for sub in range(v_start // BLOCK_N, tl.cdiv(v_end, BLOCK_N)):
-        slot = sub * BLOCK_N + n
-        slot_f = slot.to(tl.float32)
-        real = (slot_f >= v_start_f) & (slot_f < v_end_f)
-        kmask = real[:, None] & (c < HALF)[None, :]
-        s_rows = scratch_ptr + (j * B + slot).to(tl.int64)[:, None] * D + c[None, :]
+    for row0 in range(v_start, v_end, BLOCK_N):
+        # Sub-tiles start at the first valid slot, so every tile is rows [row0, row0 + BLOCK_N)
+        # cut at v_end: one upper bound, and the cos/sin rows (positions first + row - v_start)
+        # never fall before the table.
+        rows_left = v_end - row0
+        slot_f = (row0 + n).to(tl.float32)
+        real = slot_f < v_end_f
+        s_tile = scratch_ptr + _i64(j * B + row0) * D
         if SCRATCH == 2:
-            k1 = tl.load(s_rows, mask=kmask, other=0.0)
-            k2 = tl.load(s_rows + HALF, mask=kmask, other=0.0)
+            k1 = _load_tile(s_tile, rows_left, 0, D, HALF, BLOCK_N, HALF_P, BLOCK_PTR)
+            k2 = _load_tile(s_tile + HALF, rows_left, 0, D, HALF, BLOCK_N, HALF_P, BLOCK_PTR)
         else:
-            k_rows = k_head_ptr + blk * stride_kb + slot.to(tl.int64) * stride_ks
-            k1, k2 = _rotated_halves(
-                k_rows, first - v_start + slot, real, cos_sin_ptr, stride_cs, HALF, HALF_P, IS_NEOX
+            k_tile = k_head_ptr + blk * stride_kb + _i64(row0) * stride_ks
+            x1, x2 = _load_pairs(
+                k_tile, rows_left, 0, stride_ks, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, BLOCK_PTR
             )
+            cs_tile = cos_sin_ptr + _i64(first - v_start + row0) * stride_cs
+            cos = _load_tile(cs_tile, rows_left, 0, stride_cs, HALF, BLOCK_N, HALF_P, BLOCK_PTR)
+            sin = _load_tile(
+                cs_tile + HALF, rows_left, 0, stride_cs, HALF, BLOCK_N, HALF_P, BLOCK_PTR
+            )
+            cos = cos.to(tl.float32)
+            sin = sin.to(tl.float32)
+            k1 = x1 * cos - x2 * sin
+            k2 = x2 * cos + x1 * sin
             if not DOT_FP32:
                 k1 = k1.to(q1.dtype)
                 k2 = k2.to(q2.dtype)
             if SCRATCH == 1:
-                tl.store(s_rows, k1, mask=kmask)
-                tl.store(s_rows + HALF, k2, mask=kmask)
+                _store_tile(s_tile, k1, rows_left, 0, D, HALF, BLOCK_N, HALF_P, BLOCK_PTR)
+                _store_tile(s_tile + HALF, k2, rows_left, 0, D, HALF, BLOCK_N, HALF_P, BLOCK_PTR)
         if DOT_FP32:
             s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
             s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
@@ -442,9 +393,9 @@ def _attend_entry(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        # Pad slots are never loaded: an uninitialised block may hold NaN (0 * NaN = NaN).
-        v_rows = v_head_ptr + blk * stride_vb + slot.to(tl.int64) * stride_vs
-        v = tl.load(v_rows[:, None] + d[None, :], mask=real[:, None] & (d < D)[None, :], other=0.0)
+        # Rows past v_end load as zero: an uninitialised slot may hold NaN (0 * NaN = NaN).
+        v_tile = v_head_ptr + blk * stride_vb + _i64(row0) * stride_vs
+        v = _load_tile(v_tile, rows_left, 0, stride_vs, D, BLOCK_N, D_P, BLOCK_PTR)
         acc = acc * alpha[:, None]
         if DOT_FP32:
             acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -455,8 +406,78 @@ def _attend_entry(
 
 
 @triton.jit
-def _prefill_kernel(
+def _rotated_q(
+    q_row_ptr,
+    n_heads,
+    pos,
+    cos_sin_ptr,
+    stride_qh,
+    stride_cs,
+    qk_scale,
+    GROUP_P: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    D: tl.constexpr,
+    D_P: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    BLOCK_PTR: tl.constexpr,
+):
+    """One query's ``n_heads`` consecutive heads (rows ``stride_qh`` apart) rotated at ``pos``
+    and pre-scaled, as two fp32 halves ``[GROUP_P, HALF_P]``. The position is one scalar and its
+    cos/sin row one contiguous load, broadcast over the heads (vllm-ascend's RoPE kernel's form)."""
+    x1, x2 = _load_pairs(
+        q_row_ptr, n_heads, 0, stride_qh, GROUP_P, HALF, HALF_P, D, D_P, IS_NEOX, BLOCK_PTR
+    )
+    c = tl.arange(0, HALF_P)
+    cs = cos_sin_ptr + pos.to(tl.int64) * stride_cs
+    cos = tl.load(cs + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cs + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
+    return (x1 * cos - x2 * sin) * qk_scale, (x2 * cos + x1 * sin) * qk_scale
+
+
+@triton.jit
+def _rope_q_kernel(
     q_ptr,
+    qr_ptr,
+    cos_sin_ptr,
+    query_pos_ptr,
+    num_rows,
+    stride_qt,
+    stride_qh,
+    stride_cs,
+    qk_scale,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    D: tl.constexpr,
+    D_P: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    BLOCK_PTR: tl.constexpr,
+):
+    """Persistent: work item = (query, KV head). Rotates and pre-scales the KV head's ``GROUP``
+    query heads and writes them, rotated halves side by side, in the dot dtype, to
+    ``qr[kv_head, query * GROUP + g]`` (``[Hkv, T * GROUP, D]``): the prefill kernel then reads
+    each tile of (query, head) rows as one 2-D unit-stride tile."""
+    for w in range(tl.program_id(0), num_rows * NUM_KV_HEADS, tl.num_programs(0)):
+        row = w // NUM_KV_HEADS
+        kv_head = w % NUM_KV_HEADS
+        pos = tl.load(query_pos_ptr + row)
+        q_row = q_ptr + _i64(row) * stride_qt + (kv_head * GROUP) * stride_qh
+        q1, q2 = _rotated_q(
+            q_row, GROUP, pos, cos_sin_ptr, stride_qh, stride_cs, qk_scale,
+            GROUP_P, HALF, HALF_P, D, D_P, IS_NEOX, BLOCK_PTR,
+        )  # fmt: skip
+        dst = qr_ptr + _i64((kv_head * num_rows + row) * GROUP) * D
+        ty = qr_ptr.dtype.element_ty
+        _store_tile(dst, q1.to(ty), GROUP, 0, D, HALF, GROUP_P, HALF_P, BLOCK_PTR)
+        _store_tile(dst + HALF, q2.to(ty), GROUP, 0, D, HALF, GROUP_P, HALF_P, BLOCK_PTR)
+
+
+@triton.jit
+def _prefill_kernel(
+    qr_ptr,
     out_ptr,
     k_ptr,
     v_ptr,
@@ -466,18 +487,13 @@ def _prefill_kernel(
     item_seq_ptr,
     item_row_lo_ptr,
     item_row_hi_ptr,
-    query_start_loc_ptr,
-    query_pos_ptr,
-    query_idx_ptr,
+    row_q_idx_ptr,
     block_tables_ptr,
     num_blocks_ptr,
     first_pos_ptr,
     valid_start_ptr,
     valid_end_ptr,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
+    num_rows,
     stride_kb,
     stride_ks,
     stride_kh,
@@ -487,11 +503,9 @@ def _prefill_kernel(
     stride_bt,
     stride_cs,
     stride_scratch,
-    qk_scale,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
-    GROUP_P: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    ROWS: tl.constexpr,
     B: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HALF: tl.constexpr,
@@ -502,41 +516,36 @@ def _prefill_kernel(
     DOT_FP32: tl.constexpr,
     BLOCK_PTR: tl.constexpr,
 ):
-    """Persistent: work item ``w`` = (run of query tiles ``w // Hkv``, KV head ``w % Hkv``).
+    """Persistent: work item ``w`` = (run of queries ``w // Hkv``, KV head ``w % Hkv``).
 
+    Rows are (query, head) pairs of the KV head, ``ROWS`` per tile, read from the rotated queries
+    ``qr`` (``_rope_q_kernel``) and written to ``out`` in the same ``[Hkv, T * GROUP, D]`` order.
     The run's tiles go in row order; entries ``[0, done)`` were rotated by an earlier tile of the
     run and are read from this program's scratch, entries ``[done, hi)`` are rotated and written.
     """
-    ROWS: tl.constexpr = BLOCK_Q * GROUP_P
     pid = tl.program_id(0)
     scratch = scratch_ptr + pid.to(tl.int64) * stride_scratch
-    qi = tl.arange(0, BLOCK_Q)
+    r = tl.arange(0, ROWS)
     num_work = tl.load(num_items_ptr) * NUM_KV_HEADS
     for w in range(pid, num_work, tl.num_programs(0)):
         item = w // NUM_KV_HEADS
         kv_head = w % NUM_KV_HEADS
-        head0 = kv_head * GROUP
         seq = tl.load(item_seq_ptr + item)
-        row_lo = tl.load(item_row_lo_ptr + item)
-        row_hi = tl.load(item_row_hi_ptr + item)
+        f_lo = tl.load(item_row_lo_ptr + item) * GROUP
+        f_hi = tl.load(item_row_hi_ptr + item) * GROUP
         nb = tl.load(num_blocks_ptr + seq)
         meta_row = seq.to(tl.int64) * stride_bt
         k_head = k_ptr + kv_head * stride_kh
         v_head = v_ptr + kv_head * stride_vh
+        head_rows = _i64(kv_head * num_rows * GROUP) * D
+        q_head = qr_ptr + head_rows
+        o_head = out_ptr + head_rows
         done = nb * 0
-        for row0 in range(row_lo, row_hi, BLOCK_Q):
-            rows = row0 + qi
-            row_mask = rows < row_hi
-            pos = tl.load(query_pos_ptr + rows, mask=row_mask, other=0)
-            q_idx = tl.load(query_idx_ptr + rows, mask=row_mask, other=-1)
-            q1, q2 = _load_q_tile(
-                q_ptr, head0, row0, row_hi, pos, row_mask, cos_sin_ptr, stride_cs, stride_qt,
-                stride_qh, qk_scale, BLOCK_Q, GROUP, GROUP_P, HALF, HALF_P, IS_NEOX, DOT_FP32,
-                BLOCK_PTR,
-            )  # fmt: skip
-            q_idx_f = tl.reshape(
-                tl.broadcast_to(q_idx.to(tl.float32)[:, None], (BLOCK_Q, GROUP_P)), (ROWS,)
-            )
+        for f0 in range(f_lo, f_hi, ROWS):
+            q1 = _load_tile(q_head, f_hi, f0, D, HALF, ROWS, HALF_P, BLOCK_PTR)
+            q2 = _load_tile(q_head + HALF, f_hi, f0, D, HALF, ROWS, HALF_P, BLOCK_PTR)
+            q_idx = tl.load(row_q_idx_ptr + f0 + r, mask=f0 + r < f_hi, other=-1)
+            q_idx_f = q_idx.to(tl.float32)
             # Entries wholly after the tile's last query are never visited.
             hi = tl.minimum(nb, tl.max(q_idx, 0) // B + 1)
             m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -548,6 +557,7 @@ def _prefill_kernel(
                     stride_kb, stride_ks, stride_vb, stride_vs,
                     block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr,
                     cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, DOT_FP32, 2,
+                    BLOCK_PTR,
                 )  # fmt: skip
             for j in range(done, hi):
                 m_i, l_i, acc = _attend_entry(
@@ -555,12 +565,12 @@ def _prefill_kernel(
                     stride_kb, stride_ks, stride_vb, stride_vs,
                     block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr,
                     cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, DOT_FP32, 1,
+                    BLOCK_PTR,
                 )  # fmt: skip
             done = tl.maximum(done, hi)
-            _store_out_tile(
-                out_ptr, head0, row0, row_hi, acc, l_i, stride_ot, stride_oh,
-                BLOCK_Q, GROUP, GROUP_P, D, D_P, BLOCK_PTR,
-            )  # fmt: skip
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            ty = out_ptr.dtype.element_ty
+            _store_tile(o_head, out.to(ty), f_hi, f0, D, D, ROWS, D_P, BLOCK_PTR)
 
 
 @triton.jit
@@ -609,10 +619,9 @@ def _decode_kernel(
     BLOCK_PTR: tl.constexpr,
 ):
     """Persistent: work item = (sequence, KV head, split); rows = the GROUP heads of its query
-    (padded to ``GROUP_P`` >= 16 rows for ``tl.dot``). Each page is seen once per work item."""
+    (padded to ``GROUP_P`` >= 16 rows for ``tl.dot``). Each page is seen once per work item. The
+    query's position and index are scalar loads (a sequence has at most one query here)."""
     g = tl.arange(0, GROUP_P)
-    one = tl.arange(0, 1)
-    d = tl.arange(0, D_P)
     num_work = num_seqs * NUM_KV_HEADS * NUM_SPLITS
     for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
         split = w % NUM_SPLITS
@@ -620,20 +629,22 @@ def _decode_kernel(
         seq = w // (NUM_SPLITS * NUM_KV_HEADS)
         head0 = kv_head * GROUP
         row = tl.load(query_start_loc_ptr + seq)
-        row_end = tl.load(query_start_loc_ptr + seq + 1)  # row or row + 1
-        rows = row + one
-        has_query = rows < row_end
-        pos = tl.load(query_pos_ptr + rows, mask=has_query, other=0)
-        q_idx = tl.load(query_idx_ptr + rows, mask=has_query, other=-1)
-        q1, q2 = _load_q_tile(
-            q_ptr, head0, row, row_end, pos, has_query, cos_sin_ptr, stride_cs, stride_qt,
-            stride_qh, qk_scale, 1, GROUP, GROUP_P, HALF, HALF_P, IS_NEOX, DOT_FP32, BLOCK_PTR,
+        has_query = row < tl.load(query_start_loc_ptr + seq + 1)
+        pos = tl.load(query_pos_ptr + row, mask=has_query, other=0)
+        q_idx = tl.load(query_idx_ptr + row, mask=has_query, other=-1)
+        n_heads = tl.where(has_query, GROUP, 0)
+        q_row = q_ptr + row.to(tl.int64) * stride_qt + head0 * stride_qh
+        q1, q2 = _rotated_q(
+            q_row, n_heads, pos, cos_sin_ptr, stride_qh, stride_cs, qk_scale,
+            GROUP_P, HALF, HALF_P, D, D_P, IS_NEOX, BLOCK_PTR,
         )  # fmt: skip
-        q_idx_f = tl.broadcast_to(q_idx.to(tl.float32), (GROUP_P,))
+        if not DOT_FP32:
+            q1 = q1.to(q_ptr.dtype.element_ty)
+            q2 = q2.to(q_ptr.dtype.element_ty)
+        q_idx_f = tl.zeros([GROUP_P], tl.float32) + q_idx.to(tl.float32)
         # Entries up to the query's own; none without a query (no negative integer division:
         # C truncation on the NPU, floor in the interpreter).
-        last = tl.max(q_idx, 0)
-        nb = tl.where(last >= 0, tl.minimum(tl.load(num_blocks_ptr + seq), last // B + 1), 0)
+        nb = tl.where(q_idx >= 0, tl.minimum(tl.load(num_blocks_ptr + seq), q_idx // B + 1), 0)
         per_split = tl.cdiv(nb, NUM_SPLITS)
         lo = tl.minimum(split * per_split, nb)
         hi = tl.minimum(lo + per_split, nb)
@@ -647,22 +658,21 @@ def _decode_kernel(
                 stride_kb, stride_ks, stride_vb, stride_vs,
                 block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr,
                 cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, DOT_FP32, 0,
+                BLOCK_PTR,
             )  # fmt: skip
+        safe_l = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / safe_l[:, None]
         if NUM_SPLITS == 1:
-            _store_out_tile(
-                out_ptr, head0, row, row_end, acc, l_i, stride_ot, stride_oh,
-                1, GROUP, GROUP_P, D, D_P, BLOCK_PTR,
-            )  # fmt: skip
+            o_row = out_ptr + row.to(tl.int64) * stride_ot + head0 * stride_oh
+            ty = out_ptr.dtype.element_ty
+            _store_tile(o_row, out.to(ty), n_heads, 0, stride_oh, D, GROUP_P, D_P, BLOCK_PTR)
         else:
             # Partials [T, Hq, NUM_SPLITS, D] and their log2-sum-exp [T, Hq, NUM_SPLITS] (fp32).
-            row_mask = (g < GROUP) & (tl.broadcast_to(q_idx, (GROUP_P,)) >= 0)
-            mask = row_mask[:, None] & (d < D)[None, :]
-            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            part = (row.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head0 + g) * NUM_SPLITS + split
-            tl.store(part_ptr + part[:, None] * D + d[None, :], out, mask=mask)
-            safe_l = tl.where(l_i == 0.0, 1.0, l_i)
+            part = (row.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head0) * NUM_SPLITS + split
+            _store_tile(part_ptr + part * D, out, n_heads, 0, NUM_SPLITS * D, D, GROUP_P, D_P,
+                        BLOCK_PTR)  # fmt: skip
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(safe_l))
-            tl.store(lse_ptr + part, lse, mask=row_mask)
+            tl.store(lse_ptr + part + g * NUM_SPLITS, lse, mask=g < n_heads)
 
 
 @triton.jit
@@ -790,6 +800,25 @@ def check_supported(
         )
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: ``kernel[grid](*args, **kwargs)``."""
+
+    kernel: Any  # a triton JITFunction
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A call's launches, in order, the tensor they fill and what to run after them."""
+
+    out: torch.Tensor
+    launches: list[Launch]
+    finish: Callable[[], None] | None = None
+
+
 def _int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device=device, dtype=torch.int32).contiguous()
 
@@ -809,21 +838,26 @@ def _prefill_step(
     block_q: int,
     cores: int,
     hkv: int,
+    group: int,
     head: int,
     dtype: torch.dtype,
 ):
-    """The prefill work items and the per-program rotated-K scratch, once per step."""
-    key = ("ascend-triton-prefill", str(device), block_q, cores, hkv, head, dtype)
+    """The prefill work items, each row's query index (``[T * group]``: rows are (query, head)
+    pairs) and the per-program rotated-K scratch, once per step."""
+    key = ("ascend-triton-prefill", str(device), block_q, cores, hkv, group, head, dtype)
     if key not in meta.memo:
         seqs, lo, hi = prefill_items(meta.query_start_loc, block_q, cores, hkv)
         num_items = torch.tensor([seqs.numel()], dtype=torch.int32, device=device)
+        row_q_idx = _int32(meta.query_indices, device).repeat_interleave(group)
         max_keys = max(1, meta.max_num_blocks * meta.block_size)
         scratch = torch.empty(cores, max_keys, head, device=device, dtype=dtype)
-        meta.memo[key] = (num_items, seqs.to(device), lo.to(device), hi.to(device), scratch)
+        meta.memo[key] = (
+            num_items, seqs.to(device), lo.to(device), hi.to(device), row_q_idx, scratch
+        )  # fmt: skip
     return meta.memo[key]
 
 
-def rope_paged_attention_ascend(
+def plan_launches(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: PagedRopeMetadata,
@@ -836,8 +870,11 @@ def rope_paged_attention_ascend(
     block_n: int | None = None,
     num_splits: int | None = None,
     half_dots: bool | None = None,
-) -> torch.Tensor:
-    """Fused-RoPE paged attention for Ascend; same contract and result as the torch reference.
+    block_pointers: bool | None = None,
+) -> LaunchPlan:
+    """The launches ``rope_paged_attention_ascend`` makes for these inputs, without running them:
+    the compile test (``tests/ops/test_ascend_compile.py``) compiles exactly these, and the UB
+    test reads their tiles. ``block_pointers`` overrides ``BLOCK_POINTERS`` (compile both forms).
 
     ``kernel`` forces ``"prefill"`` or ``"decode"`` (default: decode when every sequence has at
     most one query). ``cores``, ``block_q`` (queries per tile), ``block_n`` (keys per sub-tile)
@@ -845,7 +882,6 @@ def rope_paged_attention_ascend(
     ``choose_tiles``, within ``UB_BUDGET``). ``half_dots`` forces half-precision (True) or fp32
     (False) dots for fp16/bf16 inputs (default: see ``dots_in_fp32``).
     """
-    check_supported(query, kv_cache, meta, rope)
     if kernel not in (None, "prefill", "decode"):
         raise ValueError(f"kernel must be 'prefill' or 'decode', got {kernel!r}")
     device = query.device
@@ -853,7 +889,7 @@ def rope_paged_attention_ascend(
     bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
     out = torch.empty_like(query)
     if t == 0:
-        return out
+        return LaunchPlan(out, [])
     if query.stride(-1) != 1:
         query = query.contiguous()
     k, v = kv_cache[0], kv_cache[1]
@@ -894,7 +930,7 @@ def rope_paged_attention_ascend(
         D_P=_pow2_at_least(d, 16),
         IS_NEOX=bool(rope.is_neox_style),
         DOT_FP32=dot_fp32,
-        BLOCK_PTR=BLOCK_POINTERS,
+        BLOCK_PTR=BLOCK_POINTERS if block_pointers is None else block_pointers,
     )
     strides = (
         query.stride(0),
@@ -921,23 +957,66 @@ def rope_paged_attention_ascend(
             part = torch.empty(t, hq, splits, d, device=device, dtype=torch.float32)
             lse = torch.full((t, hq, splits), float("-inf"), device=device, dtype=torch.float32)
         work = meta.num_seqs * hkv * splits
-        _decode_kernel[(min(cores, work),)](
-            query, out, part, lse, k, v, cos_sin, meta.num_seqs, *tables, *strides, qk_scale,
-            NUM_SPLITS=splits, **{**common, "GROUP_P": _pow2_at_least(group, 16)},
-        )  # fmt: skip
+        launches = [Launch(
+            _decode_kernel, (min(cores, work),),
+            (query, out, part, lse, k, v, cos_sin, meta.num_seqs, *tables, *strides, qk_scale),
+            dict(NUM_SPLITS=splits, **{**common, "GROUP_P": _pow2_at_least(group, 16)}),
+        )]  # fmt: skip
         if splits > 1:
-            _combine_kernel[(min(cores * 2, t * hq),)](
-                part, lse, out, t, out.stride(0), out.stride(1),
-                NUM_HEADS=hq, NUM_SPLITS=splits, D=d, D_P=common["D_P"],
-            )  # fmt: skip
-        return out
+            launches.append(Launch(
+                _combine_kernel, (min(cores * 2, t * hq),),
+                (part, lse, out, t, out.stride(0), out.stride(1)),
+                dict(NUM_HEADS=hq, NUM_SPLITS=splits, D=d, D_P=common["D_P"]),
+            ))  # fmt: skip
+        return LaunchPlan(out, launches)
 
     dot_dtype = torch.float32 if dot_fp32 else query.dtype
-    num_items, seqs, lo, hi, scratch = _prefill_step(
-        meta, device, block_q, cores, hkv, d, dot_dtype
+    num_items, seqs, lo, hi, row_q_idx, scratch = _prefill_step(
+        meta, device, block_q, cores, hkv, group, d, dot_dtype
     )
-    _prefill_kernel[(cores,)](
-        query, out, k, v, cos_sin, scratch, num_items, seqs, lo, hi, *tables, *strides,
-        scratch.stride(0), qk_scale, BLOCK_Q=block_q, **common,
-    )  # fmt: skip
-    return out
+    # Rotated, pre-scaled queries and the output in (KV head, query, head) row order.
+    q_rot = torch.empty(hkv, t * group, d, device=device, dtype=dot_dtype)
+    out_rows = torch.empty(hkv, t * group, d, device=device, dtype=query.dtype)
+    rope_q = {k: common[k] for k in ("NUM_KV_HEADS", "GROUP", "HALF", "HALF_P", "D", "D_P",
+                                     "IS_NEOX", "BLOCK_PTR")}  # fmt: skip
+    launches = [
+        Launch(
+            _rope_q_kernel, (min(cores * 2, t * hkv),),
+            (query, q_rot, cos_sin, tables[1], t, query.stride(0), query.stride(1),
+             cos_sin.stride(0), qk_scale),
+            dict(GROUP_P=_pow2_at_least(group), **rope_q),
+        ),
+        Launch(
+            _prefill_kernel, (cores,),
+            (q_rot, out_rows, k, v, cos_sin, scratch, num_items, seqs, lo, hi, row_q_idx,
+             *tables[3:], t, *strides[4:], scratch.stride(0)),
+            dict(ROWS=block_q * group_p, **{k: v for k, v in common.items() if k != "GROUP_P"}),
+        ),
+    ]  # fmt: skip
+
+    def finish() -> None:
+        out.copy_(out_rows.view(hkv, t, group, d).transpose(0, 1).reshape(t, hq, d))
+
+    return LaunchPlan(out, launches, finish)
+
+
+def rope_paged_attention_ascend(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: PagedRopeMetadata,
+    rope: RopeSpec,
+    scale: float,
+    **launch_options,
+) -> torch.Tensor:
+    """Fused-RoPE paged attention for Ascend; same contract and result as the torch reference.
+
+    ``launch_options`` (``kernel``, ``cores``, ``block_q``, ``block_n``, ``num_splits``,
+    ``half_dots``) override the launch choices: see ``plan_launches``.
+    """
+    check_supported(query, kv_cache, meta, rope)
+    plan = plan_launches(query, kv_cache, meta, rope, scale, **launch_options)
+    for launch in plan.launches:
+        launch.kernel[launch.grid](*launch.args, **launch.kwargs)
+    if plan.finish is not None:
+        plan.finish()
+    return plan.out

@@ -4,8 +4,9 @@
 # platform, so it cannot share .venv) and triton-ascend as the `triton` package (upstream triton,
 # which vLLM's xgrammar asks for, is kept out: both install into `triton`). Runs tests/ascend
 # (vllm-ascend's platform, worker and attention backend with torch_npu stubbed by
-# tests/ascend/conftest.py) and the cuda_fallback Triton kernels under triton-ascend's CPU
-# interpreter (tests/ops/test_triton_ascend.py).
+# tests/ascend/conftest.py), the cuda_fallback Triton kernels under triton-ascend's CPU
+# interpreter (tests/ops/test_triton_ascend.py, test_ascend_kernel.py) and the triton-ascend
+# kernel through triton-ascend's ttir and ttadapter compiler stages (tests/ops/test_ascend_compile.py).
 # The environment is installed from requirements/ascend.lock (exact versions and hashes, resolved
 # by uv from vllm-ascend 0.30.0rc2's own requirements; requirements/README.md lists where they
 # differ and why), made on first use or when the lock or this recipe changes, and reused after.
@@ -164,8 +165,28 @@ fi
 
 cd "$ROOT"
 start=$(date +%s)
+# The triton-ascend kernel through triton-ascend's own compiler stages (ttir, ttadapter), which
+# need the kernels compiled, not interpreted: its own process, without TRITON_INTERPRET, beside
+# the interpreted tests (ASCEND_COMPILE_TEST=0 leaves it out).
+compile_log="$VENV/compile-test.log"
+compile_pid=""
+if [ "${ASCEND_COMPILE_TEST:-1}" != 0 ]; then
+  env -u TRITON_INTERPRET TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$VENV/bin/python" -m pytest -q \
+    -p no:cacheprovider tests/ops/test_ascend_compile.py >"$compile_log" 2>&1 &
+  compile_pid=$!
+fi
 # TRITON_INTERPRET=1: Triton kernels run on CPU tensors (read when the kernels are decorated).
 # TORCH_DEVICE_BACKEND_AUTOLOAD=0: torch does not look for device backends (torch_npu) at import.
+status=0
 TRITON_INTERPRET=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$VENV/bin/python" -m pytest -q \
-  -p no:cacheprovider tests/ascend tests/ops/test_triton_ascend.py tests/ops/test_ascend_kernel.py tests/ops/test_head128.py "$@"
+  -p no:cacheprovider tests/ascend tests/ops/test_triton_ascend.py tests/ops/test_ascend_kernel.py \
+  tests/ops/test_head128.py "$@" || status=$?
+if [ -n "$compile_pid" ]; then
+  compile_status=0
+  wait "$compile_pid" || compile_status=$?
+  echo "test_ascend: the kernel compile test (tests/ops/test_ascend_compile.py):"
+  tail -n 30 "$compile_log"
+  [ "$status" != 0 ] || status=$compile_status
+fi
 echo "test_ascend: tests ran in $(($(date +%s) - start)) s"
+exit "$status"
