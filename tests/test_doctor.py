@@ -143,3 +143,23 @@ def test_failures_make_the_exit_status_nonzero(monkeypatch, capsys):
     assert doctor.cmd_doctor(args) == 1
     out = capsys.readouterr().out
     assert "x something broke" in out and "result: FAIL" in out
+
+
+def test_model_self_test_runs_at_the_models_attention_shape(tmp_path):
+    """`doctor --model`: one case, at the config's head size, GQA and dtype (what the worker
+    would launch for it); an unreadable config is a reported failure."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 480,
+              "num_attention_heads": 6, "num_key_value_heads": 2, "intermediate_size": 64,
+              "num_hidden_layers": 1, "vocab_size": 64, "torch_dtype": "float32"}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    report = Report()
+    doctor.run_selftest(report, "cpu", kernel_ok=False, model=str(tmp_path))
+    st = report.sections["self_test"]
+    assert (st["query_heads"], st["kv_heads"], st["model"]) == (6, 2, str(tmp_path))
+    (case,) = st["cases"]
+    assert (case["head_size"], case["dtype"], case["status"]) == (80, "float32", "ok")
+    assert not report.failures
+
+    missing = Report()
+    doctor.run_selftest(missing, "cpu", kernel_ok=False, model=str(tmp_path / "absent"))
+    assert missing.failures and "cannot read" in missing.failures[0]

@@ -392,7 +392,14 @@ def probe_ops(report: Report) -> bool:
 # Self-test
 
 
-def selftest_batch(head: int, dtype: Any, device: str, seed: int = 0) -> dict[str, Any]:
+def selftest_batch(
+    head: int,
+    dtype: Any,
+    device: str,
+    seed: int = 0,
+    query_heads: int = SELF_TEST_QUERY_HEADS,
+    kv_heads: int = SELF_TEST_KV_HEADS,
+) -> dict[str, Any]:
     """A small MEPIC batch at block 128 with GQA: a chunk front-padded in its block and shared,
     at another position, by a second sequence; scattered prefill queries; one decode.
 
@@ -427,7 +434,7 @@ def selftest_batch(head: int, dtype: Any, device: str, seed: int = 0) -> dict[st
         ),
     ]
     gen = torch.Generator().manual_seed(seed)
-    hq, hkv = SELF_TEST_QUERY_HEADS, SELF_TEST_KV_HEADS
+    hq, hkv = query_heads, kv_heads
     kv = torch.randn(2, 7, b, hkv, head, generator=gen).to(dtype)
     meta_cpu = build_metadata(seqs, b)
     query = torch.randn(meta_cpu.num_queries, hq, head, generator=gen).to(dtype)
@@ -462,8 +469,27 @@ def _sync(device: str) -> None:
         torch.npu.synchronize()  # type: ignore[attr-defined]
 
 
-def run_selftest(report: Report, device: str, kernel_ok: bool) -> None:
-    """The selected op per (dtype, head size) on ``device`` against the float32 reference."""
+def model_selftest_shape(model: str) -> tuple[int, int, int, Any]:
+    """``(head size, query heads, KV heads, dtype)`` of a model's attention, from its config
+    (a local folder or a Hugging Face id), so the self-test launches what the worker would for
+    it (same implementation choice, tiles and dots). A float32 checkpoint is tested in float32."""
+    import torch
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    hq = int(cfg.num_attention_heads)
+    hkv = int(getattr(cfg, "num_key_value_heads", None) or hq)
+    head = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // hq)
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.bfloat16
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return head, hq, hkv, dtype
+
+
+def run_selftest(report: Report, device: str, kernel_ok: bool, model: str | None = None) -> None:
+    """The selected op per (dtype, head size) on ``device`` against the float32 reference; with
+    ``model``, at that model's attention shape and dtype only."""
     import torch
 
     from ascend_mepic import ops
@@ -471,67 +497,76 @@ def run_selftest(report: Report, device: str, kernel_ok: bool) -> None:
     from ascend_mepic.ops.reference import rope_paged_attention_reference
 
     cases: list[dict[str, Any]] = []
+    hq, hkv = SELF_TEST_QUERY_HEADS, SELF_TEST_KV_HEADS
+    shapes = [(dtype, head) for dtype in _dtypes(device) for head in SELF_TEST_HEADS]
+    if model is not None:
+        try:
+            head, hq, hkv, dtype = model_selftest_shape(model)
+        except Exception as exc:  # an unreadable config is a finding, not a crash
+            report.failures.append(f"self-test: cannot read {model}'s config: {_error(exc)}")
+            return
+        shapes = [(dtype, head)]
     report.sections["self_test"] = {
         "device": device,
         "block_size": SELF_TEST_BLOCK,
-        "query_heads": SELF_TEST_QUERY_HEADS,
-        "kv_heads": SELF_TEST_KV_HEADS,
+        "query_heads": hq,
+        "kv_heads": hkv,
+        "model": model,
         "cases": cases,
     }
     if device == "npu":
         report.sections["self_test"]["untested"] = UNTESTED
-    for dtype in _dtypes(device):
-        for head in SELF_TEST_HEADS:
-            name = str(dtype).removeprefix("torch.")
-            case: dict[str, Any] = {"dtype": name, "head_size": head}
-            cases.append(case)
-            where = f"self-test {device} {name} head {head}"
-            try:
-                with _without_cpu_kernel(kernel_ok):
-                    impl = ops.select_impl(torch.device(device), head_size=head, dtype=dtype)
-            except RuntimeError as exc:  # NoNpuAttentionError: no NPU path for this shape
-                case.update(impl=None, status="warn", detail=_error(exc))
-                report.warnings.append(f"{where}: no implementation ({_error(exc)})")
-                continue
-            if impl == "cpu" and not cpu_kernel.supports(dtype):
-                impl = "reference"  # as the dispatcher does (ops.rope_paged_attention)
-            case["impl"] = impl
-            try:
-                b = selftest_batch(head, dtype, device)
-                fn = ops.get_attention_fn(impl)
-                start = time.perf_counter()
-                out = fn(b["query"], b["kv_cache"], b["meta"], b["rope"], b["scale"])
-                _sync(device)
-                case["seconds"] = round(time.perf_counter() - start, 3)
-                want = rope_paged_attention_reference(
-                    b["query_cpu"], b["kv_cpu"], b["meta_cpu"], b["rope_cpu"], b["scale"]
-                )
-                got = out.float().cpu()
-            except Exception as exc:
-                case.update(status="fail", detail=_error(exc))
-                report.failures.append(f"{where} ({impl}): {_error(exc)}")
-                continue
-            tol = TOLERANCE[name]
-            err = (got - want).abs()
-            excess = float((err - tol * want.abs()).max())
-            case.update(
-                max_abs_err=float(err.max()),
-                tolerance=tol,
-                queries=int(got.shape[0]),
-                status="ok" if torch.isfinite(got).all() and excess <= tol else "fail",
+    for dtype, head in shapes:
+        name = str(dtype).removeprefix("torch.")
+        case: dict[str, Any] = {"dtype": name, "head_size": head}
+        cases.append(case)
+        where = f"self-test {device} {name} head {head}"
+        try:
+            with _without_cpu_kernel(kernel_ok):
+                impl = ops.select_impl(torch.device(device), head_size=head, dtype=dtype)
+        except RuntimeError as exc:  # NoNpuAttentionError: no NPU path for this shape
+            case.update(impl=None, status="warn", detail=_error(exc))
+            report.warnings.append(f"{where}: no implementation ({_error(exc)})")
+            continue
+        if impl == "cpu" and not cpu_kernel.supports(dtype):
+            impl = "reference"  # as the dispatcher does (ops.rope_paged_attention)
+        case["impl"] = impl
+        try:
+            b = selftest_batch(head, dtype, device, query_heads=hq, kv_heads=hkv)
+            fn = ops.get_attention_fn(impl)
+            start = time.perf_counter()
+            out = fn(b["query"], b["kv_cache"], b["meta"], b["rope"], b["scale"])
+            _sync(device)
+            case["seconds"] = round(time.perf_counter() - start, 3)
+            want = rope_paged_attention_reference(
+                b["query_cpu"], b["kv_cpu"], b["meta_cpu"], b["rope_cpu"], b["scale"]
             )
-            if case["status"] == "fail":
-                report.failures.append(
-                    f"{where} ({impl}): max |err| {case['max_abs_err']:.3g} against the "
-                    f"reference exceeds atol=rtol={tol}"
-                )
+            got = out.float().cpu()
+        except Exception as exc:
+            case.update(status="fail", detail=_error(exc))
+            report.failures.append(f"{where} ({impl}): {_error(exc)}")
+            continue
+        tol = TOLERANCE[name]
+        err = (got - want).abs()
+        excess = float((err - tol * want.abs()).max())
+        case.update(
+            max_abs_err=float(err.max()),
+            tolerance=tol,
+            queries=int(got.shape[0]),
+            status="ok" if torch.isfinite(got).all() and excess <= tol else "fail",
+        )
+        if case["status"] == "fail":
+            report.failures.append(
+                f"{where} ({impl}): max |err| {case['max_abs_err']:.3g} against the "
+                f"reference exceeds atol=rtol={tol}"
+            )
 
 
 # ------------------------------------------------------------------------------------------
 # Report
 
 
-def diagnose(self_test: bool = True) -> Report:
+def diagnose(self_test: bool = True, model: str | None = None) -> Report:
     """Run every probe; never raises for what it finds (that goes into the report)."""
     report = Report()
     device = probe_devices(report)
@@ -544,7 +579,7 @@ def diagnose(self_test: bool = True) -> Report:
             f"reference: {report.sections['ops']['impls']['cpu']['detail']}"
         )
     if self_test:
-        run_selftest(report, device, kernel_ok)
+        run_selftest(report, device, kernel_ok, model)
     return report
 
 
@@ -610,7 +645,9 @@ def format_report(report: Report) -> str:
         lines += [
             "",
             f"self-test on {st['device']}: selected op vs the torch reference (block "
-            f"{st['block_size']}, {st['query_heads']} query / {st['kv_heads']} KV heads){tag}",
+            f"{st['block_size']}, {st['query_heads']} query / {st['kv_heads']} KV heads"
+            + (f", {st['model']}'s shape" if st.get("model") else "")
+            + f"){tag}",
         ]
         for c in st["cases"]:
             head = f"  {c['dtype']:<9} head {c['head_size']:<4} {str(c.get('impl')):<14}"
@@ -635,7 +672,10 @@ def format_report(report: Report) -> str:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    report = diagnose(self_test=not args.no_self_test)
+    if args.model:
+        report = diagnose(self_test=not args.no_self_test, model=args.model)
+    else:
+        report = diagnose(self_test=not args.no_self_test)
     out = data_stream()
     if args.json:
         out.write(json.dumps(report.to_json(), indent=1) + "\n")
@@ -658,6 +698,11 @@ DESCRIPTION = (
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-self-test", action="store_true", help="skip the op's numerical self-test")
+    p.add_argument(
+        "--model",
+        help="self-test at this model's attention shape and dtype (its config: a folder or a "
+        "Hugging Face id), i.e. the launch the worker would make for it",
+    )
     p.set_defaults(func=cmd_doctor)
 
 
