@@ -66,7 +66,7 @@ def test_doctor_self_tested_the_cpu_op(run):
     assert st["device"] == "cpu" and st["block_size"] == 128
     assert st["query_heads"] > st["kv_heads"]  # GQA
     cases = {(c["dtype"], c["head_size"]): c for c in st["cases"]}
-    assert set(cases) == {(d, h) for d in ("float32", "bfloat16") for h in (64, 128)}
+    assert set(cases) == {(d, h) for d in ("float32", "bfloat16") for h in (64, 96, 128)}
     for c in cases.values():
         assert c["status"] == "ok" and c["impl"] in ("cpu", "reference"), c
         assert c["max_abs_err"] <= c["tolerance"] * 2
