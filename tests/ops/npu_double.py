@@ -24,6 +24,19 @@ Doc sources (read 2026-08; quoted by repository/path):
 * ``Ascend/op-plugin`` ``docs/{zh,en}/custom_APIs/torch_npu/torch_npu-apply_rotary_pos_emb.md``.
 * CANN ATB ``ReshapeAndCacheOperation`` (hiascend.com ascendtb_01_0073, CANN 8.0.RC2/RC3), the
   operation behind the undocumented-in-op-plugin ``torch_npu._npu_reshape_and_cache``.
+* The torch_npu 2.10.0.post4 wheel (cp311 manylinux_2_28_x86_64, sha256 ``7d88428d...0d90``,
+  the torch_npu vllm-ascend 0.30.0rc2 pins): the op schemas registered in
+  ``torch_npu/lib/libtorch_npu.so`` and ``libop_plugin_atb.so``, extracted by
+  ``scripts/torch_npu_schemas.py`` into ``tests/ops/torch_npu_schemas.txt``, against which
+  ``tests/ops/test_npu_double.py`` checks every op's signature (names, order, keyword-only,
+  defaults); and its docstrings, ``torch_npu/_op_plugin_docs.py`` (``npu_rotary_mul``: "r1:
+  数据范围：[-1, 1]", r2 "同r1"; ``npu_fused_infer_attention_score``: "TND场景下query、key、value
+  输入的综合限制: T小于等于65536").
+* ``mindspore.ops.rotary_position_embedding`` (a wrapper of the same CANN kernel): "cos: has the
+  same type as x, in range of [-1, 1]" -- the source of the one-dtype rule for ``npu_rotary_mul``
+  (the torch_npu docstring lists each input's dtypes but says nothing about mixing them).
+* Device placement: every tensor argument must be on the (emulated) NPU and every tensor output
+  is on it (``tests/ops/emulated_device.py``); a host tensor raises ``NotOnNpuError``.
 * As evidence of how the ops are called (not as a spec): vllm-ascend 0.30.0rc2,
   ``vllm_ascend/attention/attention_v1.py`` (``_get_fia_params``, ``forward_fused_infer_attention``)
   and ``vllm_ascend/device/device_op.py`` (``reshape_and_cache``).
@@ -31,12 +44,18 @@ Doc sources (read 2026-08; quoted by repository/path):
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+from tests.ops.emulated_device import NotOnNpuError, mark_outputs, require_on_npu
+
+__all__ = ["DocumentedConstraintError", "NotOnNpuError", "NpuOpsDouble"]
 
 INT_MAX = 2147483647
 ROTARY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -53,7 +72,13 @@ TND_HEAD_DIMS: tuple[int, ...] = (128,)
 # sequences, so every rule applies at once: only 128 satisfies all of them.
 TND_PAGE_BLOCK_SIZES: tuple[int, ...] = (128,)
 TND_MAX_BATCH = 4096
-TND_MAX_TOKENS = 1048576  # "T <= 1048576" (aclnn V4, Nov 2025 revision)
+# torch_npu 2.10.0.post4 docstring (_op_plugin_docs.py, npu_fused_infer_attention_score, "TND场景下
+# query、key、value输入的综合限制: T小于等于65536"); aclnn V4 (Nov 2025) allows T <= 1048576: the
+# stricter reading wins. (That docstring's TND table also lists N in 8..128 with Q_N = KV_N,
+# D = 192 and bfloat16 only -- an MLA table at odds with aclnn V4's GQA/D=128 TND rows and with
+# vllm-ascend's own TND calls; not enforced, see tnd_head_dims.)
+TND_MAX_TOKENS = 65536
+ROTARY_RANGE = 1.0  # npu_rotary_mul r1/r2 "数据范围：[-1, 1]" (torch_npu 2.10 docstring)
 BNBSH_MAX_H = 65535  # BnBsH cache: KV_N * D must not exceed 65535
 OPT_MASK_SIZE = 2048  # sparse_mode 2/3/4 take the "optimized" 2048 x 2048 mask
 KV_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.int8)  # scatter/reshape-and-cache on A2
@@ -88,8 +113,43 @@ UNMODELLED = {
 }
 
 
+# The torch_npu ops the double implements (their schemas: tests/ops/torch_npu_schemas.txt).
+OPS = (
+    "npu_rotary_mul",
+    "npu_mrope",
+    "npu_apply_rotary_pos_emb",
+    "npu_scatter_pa_kv_cache",
+    "_npu_reshape_and_cache",
+    "npu_fused_infer_attention_score",
+    "npu_rms_norm",
+    "npu_swiglu",
+)
+
+
 class DocumentedConstraintError(ValueError):
     """An input the torch_npu documentation does not allow (real hardware would fail or differ)."""
+
+
+Op = TypeVar("Op", bound=Callable[..., Any])
+
+
+def _device_op(op: Op) -> Op:
+    """An op runs on the NPU: its tensor arguments must be there (``NotOnNpuError``) and its
+    tensor outputs are. The body runs without torch-function modes (no mark bookkeeping per
+    internal torch call); ``inspect.signature`` still sees the op's own signature."""
+    signature = inspect.signature(op)
+
+    @functools.wraps(op)
+    def checked(self: NpuOpsDouble, *args: Any, **kwargs: Any) -> Any:
+        if self.device_check:
+            bound = signature.bind(self, *args, **kwargs)
+            named = {k: v for k, v in bound.arguments.items() if k != "self"}
+            require_on_npu(op.__name__, named)
+        with torch._C.DisableTorchFunction():
+            result = op(self, *args, **kwargs)
+        return mark_outputs(result) if self.device_check else result
+
+    return checked  # type: ignore[return-value]
 
 
 def _require(ok: bool, what: str) -> None:
@@ -104,24 +164,52 @@ class NpuOpsDouble:
     ``attention_dtypes`` defaults to what the A2 documentation allows for the fused attention; a
     test may widen it to float32 to check a composition's index logic at tight tolerance.
     ``tnd_head_dims`` and ``tnd_block_sizes`` are the TND-layout limits (see the module
-    constants); a test may widen them the same way to exercise small shapes.
+    constants); a test may widen them the same way to exercise small shapes. ``device_check``:
+    tensor arguments must be marked as on the emulated NPU (``tests/ops/emulated_device.py``);
+    off only where host and device cannot be told apart (the emulated engine loop).
     """
 
     attention_dtypes: tuple[torch.dtype, ...] = A2_ATTENTION_DTYPES
     tnd_head_dims: tuple[int, ...] = TND_HEAD_DIMS
     tnd_block_sizes: tuple[int, ...] = TND_PAGE_BLOCK_SIZES
+    device_check: bool = True
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ rotary
 
+    @_device_op
     def npu_rotary_mul(
-        self, input: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half"
+        self,
+        input: torch.Tensor,
+        r1: torch.Tensor,
+        r2: torch.Tensor,
+        rotary_mode: str = "half",
+        rotate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``r1 * input + r2 * rotate(input)``; rotate per ``rotary_mode`` ("half"/"interleave")."""
+        """``r1 * input + r2 * rotate(input)``; rotate per ``rotary_mode`` ("half"/"interleave").
+
+        Enforced beyond shapes: ``input``, ``r1`` and ``r2`` one dtype (see the module docstring)
+        and r1/r2 values in [-1, 1] (torch_npu 2.10 docstring: "r1: 数据范围：[-1, 1]"; "r2: 同r1"):
+        so YaRN's cos/sin, scaled by mscale > 1, must not be passed as r1/r2. NaN is out of range.
+        ``rotate`` (the explicit rotation matrix) is not modelled: it must be None.
+        """
         self.calls.append(("npu_rotary_mul", {"shape": tuple(input.shape), "mode": rotary_mode}))
+        _require(rotate is None, "rotate (an explicit rotation matrix) is not modelled")
         _require(input.dim() == 4 and r1.dim() == 4 and r2.dim() == 4, "inputs must be 4-D")
         for name, t in (("input", input), ("r1", r1), ("r2", r2)):
             _require(t.dtype in ROTARY_DTYPES, f"{name} dtype {t.dtype} not supported")
+        _require(
+            r1.dtype == r2.dtype == input.dtype,
+            f"input/r1/r2 dtypes must be identical ({input.dtype}, {r1.dtype}, {r2.dtype})",
+        )
+        for name, t in (("r1", r1), ("r2", r2)):
+            if t.numel():
+                peak = float(t.float().abs().nan_to_num(math.inf).max())
+                _require(
+                    peak <= ROTARY_RANGE,
+                    f"{name} values must lie in [-1, 1] (docstring: 数据范围); |{name}| reaches "
+                    f"{peak:.4g}",
+                )
         _require(r1.shape == r2.shape, "r1 and r2 must have the same shape")
         d = input.shape[-1]
         _require(d % 2 == 0 and d < 896, f"D={d} must be even and < 896")
@@ -147,6 +235,7 @@ class NpuOpsDouble:
             raise DocumentedConstraintError(f"rotary_mode {rotary_mode!r}")
         return (r1.float() * x + r2.float() * turned).to(input.dtype)
 
+    @_device_op
     def npu_mrope(
         self,
         positions: torch.Tensor,
@@ -248,13 +337,13 @@ class NpuOpsDouble:
 
         return rotate(query), rotate(key)
 
+    @_device_op
     def npu_apply_rotary_pos_emb(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        *,
         layout: str = "BSND",
         rotary_mode: str = "half",
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,6 +385,7 @@ class NpuOpsDouble:
 
     # ------------------------------------------------------------------ KV cache writes
 
+    @_device_op
     def npu_scatter_pa_kv_cache(
         self,
         key: torch.Tensor,
@@ -354,6 +444,7 @@ class NpuOpsDouble:
         )
         _write_slots(key, value, key_cache, value_cache, slot_mapping, "slot_mapping")
 
+    @_device_op
     def _npu_reshape_and_cache(
         self,
         key: torch.Tensor,
@@ -383,6 +474,7 @@ class NpuOpsDouble:
 
     # ------------------------------------------------------------------ attention
 
+    @_device_op
     def npu_fused_infer_attention_score(
         self,
         query: torch.Tensor,
@@ -613,8 +705,9 @@ class NpuOpsDouble:
 
         Also enforced: D in ``tnd_head_dims`` (default 128); Q_N <= 256; ``num_key_value_heads``
         matches the cache's heads; ``inner_precise`` 0 for GQA/MQA (Q_N != KV_N), 0 or 1 for
-        float16 MHA, 0 for bfloat16 MHA; T <= 1048576; zero-length query batches are allowed; a
-        batch with q_len > 0 and kv_len == 0 is rejected (undocumented; assumed).
+        float16 MHA, 0 for bfloat16 MHA; T <= 65536 (``TND_MAX_TOKENS``); zero-length query
+        batches are allowed; a batch with q_len > 0 and kv_len == 0 is rejected (undocumented;
+        assumed).
         """
         _require(query.dim() == 3, "TND query is 3-D [T, N, D]")
         t, n, d = query.shape
@@ -704,11 +797,13 @@ class NpuOpsDouble:
     # (tests/ascend/test_engine_loop.py). Formulas from op-plugin's
     # ``torch_npu-npu_rms_norm.md`` and ``torch_npu-npu_swiglu.md``; computed in float32.
 
+    @_device_op
     def npu_rms_norm(
-        self, x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
+        self, input: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x * rstd * gamma, rstd)``, ``rstd = 1 / sqrt(mean(x**2) + epsilon)`` over the
         trailing ``gamma.dim()`` dims; ``rstd`` (float32) keeps those dims as size 1."""
+        x = input
         self.calls.append(("npu_rms_norm", {"shape": tuple(x.shape)}))
         _require(x.shape[x.dim() - gamma.dim() :] == gamma.shape, "gamma is x's trailing shape")
         dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
@@ -716,8 +811,10 @@ class NpuOpsDouble:
         rstd = torch.rsqrt(x32.pow(2).mean(dim=dims, keepdim=True) + epsilon)
         return (x32 * rstd * gamma.float()).to(x.dtype), rstd
 
-    def npu_swiglu(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """``silu(a) * b`` for ``a, b = x.chunk(2, dim)``."""
+    @_device_op
+    def npu_swiglu(self, input: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """``silu(a) * b`` for ``a, b = input.chunk(2, dim)``."""
+        x = input
         self.calls.append(("npu_swiglu", {"shape": tuple(x.shape)}))
         _require(x.shape[dim] % 2 == 0, "swiglu splits an even dimension")
         a, b = x.float().chunk(2, dim=dim)

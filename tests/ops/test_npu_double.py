@@ -5,16 +5,38 @@ straightforward dense computation written independently here (token-by-token blo
 ``F.scaled_dot_product_attention``, complex rotation), and each documented limit must raise.
 """
 
+import inspect
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.ops.npu_double import DocumentedConstraintError, NpuOpsDouble
+from tests.ops import npu_double
+from tests.ops.emulated_device import NPU, NotOnNpuError, emulated_npu, mark_npu, on_npu
+from tests.ops.npu_double import OPS, DocumentedConstraintError, NpuOpsDouble
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
 CAUSAL_2048 = torch.triu(torch.ones(2048, 2048), diagonal=1).to(torch.int8)
+mark_npu(CAUSAL_2048)  # made at import; the tests' own tensors are made on the NPU (fixture)
+
+
+@pytest.fixture(autouse=True)
+def tensors_on_npu():
+    """Every tensor a test makes lands on the emulated NPU (like ``set_default_device("npu")``),
+    except where it names the host (``device="cpu"``)."""
+    with emulated_npu(default_npu=True):
+        yield
+
+
+def _npu_values(change: dict) -> dict:
+    """Parametrised tensors are made at collection, outside the fixture: put them on the NPU."""
+    for value in change.values():
+        if isinstance(value, torch.Tensor):
+            mark_npu(value)
+    return change
 
 
 def small_fp32_double() -> NpuOpsDouble:
@@ -248,7 +270,7 @@ def _tril_mask():
 )
 def test_tnd_documented_limits_raise(change, match):
     kwargs = _good_call_kwargs()
-    kwargs.update(change)
+    kwargs.update(_npu_values(change))
     with pytest.raises(DocumentedConstraintError, match=match):
         NpuOpsDouble().npu_fused_infer_attention_score(**kwargs)
 
@@ -336,7 +358,7 @@ def test_scatter_documented_limits_raise(change, match):
         slot_mapping=torch.tensor([11, 0, 4, 7, 3], dtype=torch.int32),
         cache_mode="Norm",
     )
-    kwargs.update(change)
+    kwargs.update(_npu_values(change))
     before = kc.clone()
     with pytest.raises(DocumentedConstraintError, match=match):
         NpuOpsDouble().npu_scatter_pa_kv_cache(**kwargs)
@@ -464,3 +486,251 @@ def test_apply_rotary_pos_emb_in_place_matches_rotary_mul(layout):
                                      layout=layout)  # fmt: skip
     with pytest.raises(DocumentedConstraintError, match="layout"):
         ops.npu_apply_rotary_pos_emb(q, k, cos, sin, layout="BNSD")
+
+
+# ---------------------------------------------------------------- signatures (torch_npu 2.10)
+
+SCHEMAS = Path(__file__).with_name("torch_npu_schemas.txt")
+# Keyword arguments the double takes through ``**kwargs`` (rejecting any other name), with the
+# defaults they must keep.
+UNMODELLED_KWARGS = {"npu_fused_infer_attention_score": npu_double.UNMODELLED}
+
+
+def _schemas() -> dict[str, torch.FunctionSchema]:
+    lines = [line for line in SCHEMAS.read_text().splitlines() if not line.startswith("#")]
+    parsed = [torch._C.parse_schema(line) for line in lines]
+    return {schema.name: schema for schema in parsed}
+
+
+def _same_default(ours: object, theirs: object) -> bool:
+    return type(ours) is type(theirs) and ours == theirs
+
+
+def signature_mismatches(cls: type, name: str, schema: torch.FunctionSchema) -> list[str]:
+    """How ``cls.name`` accepts other calls than the schema: names, order, keyword-only-ness,
+    defaults, ``*args``/``**kwargs``, number of results. Empty when it accepts exactly them."""
+    P = inspect.Parameter
+    sig = inspect.signature(getattr(cls, name))  # follows the device wrapper's __wrapped__
+    params = list(sig.parameters.values())[1:]  # self
+    unmodelled = UNMODELLED_KWARGS.get(name, {})
+    problems = []
+    if any(p.kind in (P.POSITIONAL_ONLY, P.VAR_POSITIONAL) for p in params):
+        problems.append("positional-only parameters or *args (torch ops take names)")
+    if any(p.kind is P.VAR_KEYWORD for p in params) != bool(unmodelled):
+        problems.append("**kwargs without a declared list of the names it takes, or vice versa")
+    positional = [p for p in params if p.kind is P.POSITIONAL_OR_KEYWORD]
+    want_positional = [a.name for a in schema.arguments if not a.kwarg_only]
+    if [p.name for p in positional] != want_positional:
+        problems.append(f"positional {[p.name for p in positional]} != {want_positional}")
+    keyword = {p.name: p for p in params if p.kind is P.KEYWORD_ONLY}
+    want_keyword = {a.name for a in schema.arguments if a.kwarg_only}
+    if keyword.keys() & unmodelled.keys() or keyword.keys() | unmodelled.keys() != want_keyword:
+        got = keyword.keys() | unmodelled.keys()
+        missing, extra = sorted(want_keyword - got), sorted(got - want_keyword)
+        problems.append(f"keyword-only: missing {missing}, extra {extra}")
+    ours = {p.name: p.default for p in params} | dict(unmodelled)
+    for arg in schema.arguments:
+        if arg.name not in ours:
+            continue
+        default = ours[arg.name]
+        if arg.has_default_value() and not _same_default(default, arg.default_value):
+            problems.append(f"{arg.name} default {default!r} != {arg.default_value!r}")
+        if not arg.has_default_value() and default is not P.empty:
+            problems.append(f"{arg.name} has a default ({default!r}); the op requires it")
+    n = len(schema.returns)
+    want_return = {0: "None", 1: "torch.Tensor"}.get(n, f"tuple[{', '.join(['torch.Tensor'] * n)}]")
+    if sig.return_annotation != want_return:
+        problems.append(f"returns {sig.return_annotation} != {want_return}")
+    return problems
+
+
+def test_schemas_cover_every_op_of_the_double():
+    assert sorted(_schemas()) == sorted(OPS)
+    assert "7d88428d9bb8473919a38947617fcc481cb6e28927a8aa30e486a9bc42f30d90" in SCHEMAS.read_text()
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_double_signature_matches_torch_npu_schema(name):
+    assert signature_mismatches(NpuOpsDouble, name, _schemas()[name]) == []
+
+
+class _Renamed(NpuOpsDouble):
+    def npu_swiglu(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
+
+
+class _DefaultChanged(NpuOpsDouble):
+    def npu_rms_norm(
+        self, input: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-5
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class _KeywordOnlyMadePositional(NpuOpsDouble):
+    def npu_mrope(
+        self, positions, query, key, cos_sin_cache, head_size,
+        mrope_section=None, rotary_mode="half", cache_mode="default",
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+
+
+class _MissingArgument(NpuOpsDouble):  # the double before this check: no ``rotate``
+    def npu_rotary_mul(self, input, r1, r2, rotary_mode: str = "half") -> torch.Tensor: ...
+
+
+class _ExtraArgument(NpuOpsDouble):
+    def npu_swiglu(self, input, dim: int = -1, out=None) -> torch.Tensor: ...
+
+
+class _Reordered(NpuOpsDouble):
+    def _npu_reshape_and_cache(self, key, value, value_cache, key_cache, slot_indices) -> None: ...
+
+
+class _AnyKeyword(NpuOpsDouble):
+    def npu_scatter_pa_kv_cache(self, key, value, key_cache, value_cache, slot_mapping,
+                                **kwargs) -> None: ...  # fmt: skip
+
+
+class _RequiredMadeOptional(NpuOpsDouble):
+    def npu_rms_norm(self, input, gamma=None, epsilon: float = 1e-06) -> tuple[
+        torch.Tensor, torch.Tensor]: ...  # fmt: skip
+
+
+class _WrongResults(NpuOpsDouble):
+    def npu_swiglu(self, input, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@pytest.mark.parametrize(
+    ("cls", "name", "match"),
+    [
+        (_Renamed, "npu_swiglu", "positional"),
+        (_DefaultChanged, "npu_rms_norm", "epsilon default"),
+        (_KeywordOnlyMadePositional, "npu_mrope", "keyword-only: missing"),
+        (_MissingArgument, "npu_rotary_mul", "positional"),
+        (_ExtraArgument, "npu_swiglu", "positional"),
+        (_Reordered, "_npu_reshape_and_cache", "positional"),
+        (_AnyKeyword, "npu_scatter_pa_kv_cache", r"\*\*kwargs"),
+        (_RequiredMadeOptional, "npu_rms_norm", "gamma has a default"),
+        (_WrongResults, "npu_swiglu", "returns"),
+    ],
+)
+def test_signature_check_fails_on_a_broken_signature(cls, name, match):
+    problems = signature_mismatches(cls, name, _schemas()[name])
+    assert any(re.search(match, p) for p in problems), problems
+
+
+# ---------------------------------------------------------------- dtypes, ranges, token limits
+
+
+def _rotary_inputs(dtype=torch.float16):
+    x = torch.randn(1, 4, 2, 64).to(dtype)
+    angle = torch.rand(1, 4, 1, 32) * 6
+    cos = torch.cat((angle.cos(), angle.cos()), -1).to(dtype)
+    sin = torch.cat((angle.sin(), angle.sin()), -1).to(dtype)
+    return x, cos, sin
+
+
+def test_rotary_mul_requires_one_dtype():
+    x, cos, sin = _rotary_inputs()
+    NpuOpsDouble().npu_rotary_mul(x, cos, sin)
+    with pytest.raises(DocumentedConstraintError, match="dtypes must be identical"):
+        NpuOpsDouble().npu_rotary_mul(x, cos.float(), sin.float())
+    with pytest.raises(DocumentedConstraintError, match="dtypes must be identical"):
+        NpuOpsDouble().npu_rotary_mul(x.float(), cos.float(), sin)
+
+
+@pytest.mark.parametrize("arg", ["r1", "r2"])
+def test_rotary_mul_takes_cos_sin_in_unit_range_only(arg):
+    """YaRN's cos/sin times mscale (> 1) are outside the documented [-1, 1]."""
+    x, cos, sin = _rotary_inputs(torch.float32)
+    mscale = 0.1 * math.log(4.0) + 1.0  # YaRN, factor 4
+    args = {"r1": cos, "r2": sin}
+    args[arg] = args[arg] * mscale
+    with pytest.raises(DocumentedConstraintError, match=f"{arg} values must lie in"):
+        NpuOpsDouble().npu_rotary_mul(x, args["r1"], args["r2"])
+    args[arg] = torch.full_like(cos, float("nan"))
+    with pytest.raises(DocumentedConstraintError, match=f"{arg} values must lie in"):
+        NpuOpsDouble().npu_rotary_mul(x, args["r1"], args["r2"])
+    NpuOpsDouble().npu_rotary_mul(x, torch.ones_like(cos), -torch.ones_like(sin))  # the bounds
+
+
+def test_rotary_mul_rotate_matrix_is_not_modelled():
+    x, cos, sin = _rotary_inputs()
+    with pytest.raises(DocumentedConstraintError, match="rotate"):
+        NpuOpsDouble().npu_rotary_mul(x, cos, sin, "half", torch.eye(64, dtype=x.dtype))
+
+
+def test_tnd_token_limit_is_the_2_10_docstrings():
+    assert npu_double.TND_MAX_TOKENS == 65536
+    kw = _good_call_kwargs()
+    t = npu_double.TND_MAX_TOKENS + 1
+    query = torch.zeros(t, 4, 128, dtype=torch.bfloat16)
+    with pytest.raises(DocumentedConstraintError, match="T=65537 > 65536"):
+        NpuOpsDouble().npu_fused_infer_attention_score(
+            **{**kw, "query": query, "actual_seq_lengths": [2, t]}
+        )
+
+
+# ---------------------------------------------------------------- device placement
+
+
+def test_every_op_rejects_a_host_tensor():
+    """A host tensor (a missing ``.to(device)``) reaching any op raises, naming the argument."""
+    x, cos, sin = _rotary_inputs()
+    with pytest.raises(NotOnNpuError, match="r1 not on the NPU"):
+        NpuOpsDouble().npu_rotary_mul(x, cos.to("cpu"), sin)
+    kw = _good_call_kwargs()
+    with pytest.raises(NotOnNpuError, match="block_table not on the NPU"):
+        NpuOpsDouble().npu_fused_infer_attention_score(
+            **{**kw, "block_table": kw["block_table"].cpu()}
+        )
+    key, value, kc, vc = _kv()
+    slots = torch.arange(5, dtype=torch.int32, device="cpu")
+    for op in (NpuOpsDouble().npu_scatter_pa_kv_cache, NpuOpsDouble()._npu_reshape_and_cache):
+        with pytest.raises(NotOnNpuError, match="not on the NPU"):
+            op(key, value, kc, vc, slots)
+    with pytest.raises(NotOnNpuError, match="input not on the NPU"):
+        NpuOpsDouble().npu_swiglu(torch.ones(2, 4, device="cpu"))
+    # The check is the double's: with it off, the same call runs.
+    NpuOpsDouble(device_check=False).npu_rotary_mul(x, cos.to("cpu"), sin)
+
+
+def test_op_outputs_are_on_the_npu():
+    x, cos, sin = _rotary_inputs()
+    out = NpuOpsDouble().npu_rotary_mul(x, cos, sin)
+    assert on_npu(out) and out.device == NPU
+    out, lse = NpuOpsDouble().npu_fused_infer_attention_score(**_good_call_kwargs())
+    assert on_npu(out) and on_npu(lse)
+
+
+def test_marks_follow_ordinary_torch_calls_and_moves():
+    with emulated_npu():  # nested in the fixture's: its factories land on the NPU
+        host = torch.arange(12.0, device="cpu").reshape(3, 4)
+        assert not on_npu(host) and host.device == torch.device("cpu")
+        dev = host.to(NPU)
+        assert on_npu(dev) and not on_npu(host) and dev.device == NPU
+        assert dev.to(NPU) is dev  # already there
+        rows = torch.tensor([0, 2], device=dev.device)
+        derived = [dev[1:], dev.t().contiguous(), dev.to(torch.float16), dev * 2 + 1,
+                   dev.index_select(0, rows), torch.empty(2, device=dev.device),
+                   torch.zeros_like(dev), dev.view(-1)]  # fmt: skip
+        assert all(on_npu(t) for t in derived)
+        back = [dev.cpu(), dev.to("cpu"), dev.to("cpu", torch.int64)]
+        assert not any(on_npu(t) for t in back) and on_npu(dev)
+        assert on_npu(host.to(dev)) and not on_npu(dev.to(host))
+
+
+def _compose(query: torch.Tensor, positions: list[int], move: bool) -> torch.Tensor:
+    """A composition step in production style: per-step cos/sin built on the host from a list,
+    moved to ``query.device`` or not."""
+    angle = torch.tensor(positions, dtype=torch.float32)[:, None] * torch.ones(32)
+    cos = torch.cat((angle.cos(), angle.cos()), -1)[None, :, None]
+    sin = torch.cat((angle.sin(), angle.sin()), -1)[None, :, None]
+    if move:
+        cos, sin = cos.to(query.device), sin.to(query.device)
+    return NpuOpsDouble().npu_rotary_mul(query, cos, sin)
+
+
+def test_a_missing_move_to_the_device_is_caught():
+    query = torch.randn(1, 3, 2, 64)  # on the NPU (fixture)
+    with emulated_npu():  # the code under test: its factories land on the host
+        assert on_npu(_compose(query, [0, 5, 9], move=True))
+        with pytest.raises(NotOnNpuError, match="r1, r2 not on the NPU"):
+            _compose(query, [0, 5, 9], move=False)
