@@ -10,9 +10,11 @@ implementations:
   ``TRITON_INTERPRET=1``).
 * ``triton-ascend``: ``cuda_fallback/rope_paged_attention_ascend.py``, written for triton-ascend
   (persistent grid, page-at-a-time tiles): the NPU path for shapes FIA does not take (head sizes
-  other than 128, float32), **untested on a 910B** (checked under triton-ascend's interpreter).
-* ``npu``: the torch_npu composition, the NPU default at head size 128 in float16/bfloat16
-  (``npu_default``), **untested on a 910B** (checked against a double of the documented ops).
+  other than 64 and 128, float32), **untested on a 910B** (checked under triton-ascend's
+  interpreter).
+* ``npu``: the torch_npu composition, the NPU default at head size 64 and 128 in
+  float16/bfloat16 (``npu_default``), **untested on a 910B** (checked against a double of the
+  documented ops).
 
 ``rope_paged_attention`` picks one from the query's device, head size and dtype and what is
 importable; ``ASCEND_MEPIC_ATTN_IMPL=reference|cpu|triton|triton-ascend|npu`` forces one.
@@ -84,13 +86,16 @@ class NoNpuAttentionError(RuntimeError):
 def npu_default(head_size: int | None = None, dtype: torch.dtype | None = None) -> str:
     """The NPU implementation most likely to work on a first 910B, for a head size and dtype.
 
-    The torch_npu composition calls CANN's own ops (FIA, rotary, scatter), which ship tested with
-    the toolkit; the triton-ascend kernel has never been compiled. So the composition runs where
-    FIA's TND paged mode takes the shape natively (head size 128, float16/bfloat16); the
-    triton-ascend kernel runs the rest (other head sizes, float32). Without triton-ascend, a
-    float32 model at head 128 falls back to the composition, which attends in bfloat16; other
-    shapes have no NPU path and raise ``NoNpuAttentionError``. Unknown shape (``None``): the
-    kernel if triton-ascend is installed, else the composition.
+    The torch_npu composition calls CANN's own ops (FIA, rotary), which ship tested with the
+    toolkit; the triton-ascend kernel has never been compiled. So the composition runs where
+    FIA's TND paged mode takes the shape for any GQA ratio: head size 64 or 128
+    (aclnnFusedInferAttentionScoreV4, CANN 9.x, Atlas A2 TND table; vllm-ascend 0.30.0rc2 makes
+    this FIA call for every head size but 512), float16/bfloat16. The triton-ascend kernel runs
+    the rest: float32, and head sizes FIA takes for GQA/MQA only (80, 96, 256: documented, not
+    chosen here, which sees no head counts) or not at all. Without triton-ascend, a float32
+    model at head 64/128 falls back to the composition, which attends in bfloat16; other shapes
+    have no NPU path and raise ``NoNpuAttentionError``. Unknown shape (``None``): the kernel if
+    triton-ascend is installed, else the composition.
     """
     from ascend_mepic.ops.npu import FIA_DTYPES, FIA_TND_HEAD_DIMS
 
@@ -103,7 +108,7 @@ def npu_default(head_size: int | None = None, dtype: torch.dtype | None = None) 
         return "npu"
     raise NoNpuAttentionError(
         f"no MEPIC attention path on the NPU for head size {head_size} ({dtype}): the torch_npu "
-        f"composition needs head size {FIA_TND_HEAD_DIMS} (FIA's TND paged mode on A2) and the "
+        f"composition needs head size in {FIA_TND_HEAD_DIMS} (FIA's TND paged mode on A2) and the "
         "triton-ascend kernel needs triton-ascend, which is not installed (pip install "
         "triton-ascend==3.2.2; see docs/ascend.md)"
     )

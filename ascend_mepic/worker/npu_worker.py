@@ -34,7 +34,7 @@ from ascend_mepic.ops import select_impl
 from ascend_mepic.vllm_integration.ascend import block_major_buffer, use_attention_backend
 from ascend_mepic.vllm_integration.version import check_vllm_version
 from ascend_mepic.worker.model_runner import MepicRunnerMixin
-from ascend_mepic.worker.rope import install_nope_rope
+from ascend_mepic.worker.rope import install_nope_rope, registered_rope
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +47,38 @@ class MepicNPUModelRunner(MepicRunnerMixin, NPUModelRunner):
         self._init_mepic(vllm_config)
         self._kv_buffers: list[torch.Tensor] | None = None
 
+    def profile_run(self) -> None:
+        """vllm-ascend's profiling run, after reserving the torch_npu composition's scratch, so
+        that the KV cache is sized around it (``ops.npu.reserve_scratch`` says why)."""
+        reserve_attention_scratch(self.vllm_config, self.device)
+        super().profile_run()
+
     def mepic_kv_buffers(self) -> list[torch.Tensor]:
         """vllm-ascend's per-layer ``(K, V)`` views as block-major ``[nb, 2, B, Hkv, D]``."""
         if self._kv_buffers is None or len(self._kv_buffers) != len(self.kv_caches):
             self._kv_buffers = [block_major_buffer(kv) for kv in self.kv_caches]
         return self._kv_buffers
+
+
+def reserve_attention_scratch(vllm_config, device: torch.device) -> None:
+    """The torch_npu composition's fixed scratch, when this model's attention runs on it."""
+    mc = vllm_config.model_config
+    if npu_attention_impl(mc) != "npu":
+        return
+    from ascend_mepic.ops.npu import reserve_scratch
+
+    try:
+        rope = registered_rope()
+    except Exception:  # noqa: BLE001 - no rotary recorded yet: the tables are built at first use
+        rope = None
+    reserve_scratch(
+        device,
+        mc.get_num_kv_heads(vllm_config.parallel_config),
+        mc.get_head_size(),
+        mc.dtype,
+        max_model_len=mc.max_model_len,
+        rope=rope,
+    )
 
 
 def check_eager(vllm_config) -> None:

@@ -185,7 +185,8 @@ def test_vllm_serve_with_a_mepic_config_selects_mepic(monkeypatch, vllm_config):
         (128, torch.bfloat16, True, "npu"),  # FIA's native shape: CANN's own ops
         (128, torch.float16, True, "npu"),
         (128, torch.float32, True, "triton-ascend"),  # FIA takes no float32
-        (64, torch.bfloat16, True, "triton-ascend"),  # FIA's TND paged mode: head 128 only
+        (64, torch.bfloat16, True, "npu"),  # FIA's TND paged mode: head 64 and 128
+        (96, torch.bfloat16, True, "triton-ascend"),  # FIA: GQA only; the choice sees no heads
         (None, None, True, "triton-ascend"),
         (128, torch.float32, False, "npu"),  # attends in bfloat16
         (None, None, False, "npu"),
@@ -206,8 +207,8 @@ def test_a_shape_no_npu_path_takes_is_refused_naming_both_paths(monkeypatch):
 
     monkeypatch.delenv("ASCEND_MEPIC_ATTN_IMPL", raising=False)
     monkeypatch.setattr("ascend_mepic.ops.have_triton_ascend", lambda: False)
-    with pytest.raises(NoNpuAttentionError, match="head size 64.*triton-ascend"):
-        select_impl(torch.device("npu", 0), 64, torch.bfloat16)
+    with pytest.raises(NoNpuAttentionError, match="head size 96.*triton-ascend"):
+        select_impl(torch.device("npu", 0), 96, torch.bfloat16)
 
 
 def test_platform_selects_mepic_backend_once_installed(monkeypatch, vllm_config):
