@@ -406,7 +406,7 @@ def _install_stubs() -> None:
     _npu_kernels_serve_cpu_tensors()
     from tests.ops.npu_double import NpuOpsDouble
 
-    ROUTER.double = NpuOpsDouble()  # for calls outside a test; each test gets its own
+    ROUTER.double = NpuOpsDouble(device_check=False)  # outside a test; each test gets its own
     sys.meta_path.insert(0, _StubFinder(DEVICE_PACKAGES))
     import torch
     import torch_npu  # the stub, from the finder
@@ -444,6 +444,18 @@ def _install_stubs() -> None:
     init.__kwdefaults__ = {**(init.__kwdefaults__ or {}), "pin_memory": False}
     if LATE_STUBS:
         sys.meta_path.insert(0, _StubFinder(LATE_STUBS))
+    _inspect_models_in_process()
+
+
+def _inspect_models_in_process() -> None:
+    """vLLM inspects a model architecture in a fresh interpreter unless its on-disk model-info
+    cache (``~/.cache/vllm/modelinfos``) already holds it; that interpreter has none of these
+    stand-ins, so importing vllm-ascend's platform there fails on ``torch_npu`` (a machine whose
+    cache a CPU run had filled passed; a fresh one did not). Here the inspection runs in this
+    process, where the stand-ins are installed."""
+    import vllm.model_executor.models.registry as registry
+
+    registry._run_in_subprocess = lambda fn: fn()
 
 
 if SKIP_REASON is None:
@@ -459,12 +471,14 @@ def npu_ops() -> Iterator[Any]:
     """The ``NpuOpsDouble`` that ``torch_npu``'s modelled ops run on during this test.
 
     A fresh double per test (autouse), so recorded ``calls`` and settings such as
-    ``attention_dtypes`` do not leak between tests.
+    ``attention_dtypes`` do not leak between tests. Its device check is off: the emulated
+    worker's device is the host CPU itself, so vLLM's device buffers and host copies cannot be
+    told apart here (``tests/ops`` checks the composition's placement, ``emulated_device.py``).
     """
     from tests.ops.npu_double import NpuOpsDouble
 
     previous = ROUTER.double
-    ROUTER.double = NpuOpsDouble()
+    ROUTER.double = NpuOpsDouble(device_check=False)
     try:
         yield ROUTER.double
     finally:
