@@ -211,6 +211,7 @@ class NpuScratch:
         self.r2 = torch.empty_like(self.r1)
         self._tables: tuple[Any, torch.Tensor, torch.Tensor] | None = None
         self.rope_gain = 1.0  # what the tables were divided by (YaRN's mscale), see tables()
+        self.reserved = False  # made by reserve_scratch (counted by vLLM's memory profile)
 
     def fits(self, num_kv_heads: int, head_size: int, kv_dtype: torch.dtype) -> bool:
         attn = kv_dtype if kv_dtype in FIA_DTYPES else FIA_FALLBACK_DTYPE
@@ -287,6 +288,7 @@ def reserve_scratch(
         scratch = _SCRATCH[str(device)] = NpuScratch(
             device, num_kv_heads, head_size, kv_dtype, keys
         )
+    scratch.reserved = True
     if rope is not None:
         scratch.tables(rope)
     peak = torch.empty(scratch.rotation_bytes(), dtype=torch.uint8, device=device)

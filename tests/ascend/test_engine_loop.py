@@ -218,11 +218,18 @@ def test_torch_npu_composition_bf16_matches_the_mepic_oracle(
     tokens do not depend on the cache state."""
     from transformers import AutoModelForCausalLM
 
+    from ascend_mepic.ops import npu
     from tests.hf_oracle import MepicOracle, first_k
 
     reqs = _requests(vocab=_vocab(head128_model))
+    npu.release_scratch()
     with emulated_engine(head128_model, "npu", "bfloat16", "mepic", monkeypatch) as engine:
         cold_a, (warm_b, warm_a), before, after = _run_cold_then_warm(engine, reqs)
+        # The attention worked in the scratch the runner reserved before vLLM's profiling run
+        # (so the KV cache was sized around it), not one made on first use.
+        (scratch,) = npu._SCRATCH.values()
+        assert scratch.reserved and scratch.keys >= 1024  # max_model_len
+    npu.release_scratch()
     assert warm_a["tokens"] == cold_a["tokens"]
     _check_chunks_shared(before, after)
     oracle = MepicOracle(AutoModelForCausalLM.from_pretrained(head128_model, dtype=torch.float32))
