@@ -832,6 +832,51 @@ def _step_tensors(meta: PagedRopeMetadata, device: torch.device):
     return meta.memo[key]
 
 
+_PREFILL_SCRATCH: dict[tuple[str, int, torch.dtype], torch.Tensor] = {}
+
+
+def reserve_prefill_scratch(
+    device: torch.device, cores: int, max_keys: int, head: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Allocate the prefill kernel's rotated-K scratch (``[cores, max_keys, head]``) now.
+
+    Why: vLLM sizes the KV cache from what its profiling run leaves, and that run skips
+    attention, so a scratch allocated at the first prefill would be memory vLLM never counted
+    (20 cores x 32k keys x head 128 in bfloat16 is 168 MB). The NPU runner calls this before the
+    profiling run (``MepicNPUModelRunner.profile_run``) with ``max_keys`` covering a block table
+    of ``max_model_len`` tokens; every step then takes views of it."""
+    key = (str(device), head, dtype)
+    have = _PREFILL_SCRATCH.get(key)
+    if have is None or have.shape[0] < cores or have.shape[1] < max_keys:
+        _PREFILL_SCRATCH.pop(key, None)
+        have = _PREFILL_SCRATCH[key] = torch.empty(
+            cores, max_keys, head, device=device, dtype=dtype
+        )
+        logger.info(
+            "MEPIC triton-ascend prefill scratch (untested on hardware): %d cores x %d keys x "
+            "%d (%s), %.1f MB on %s",
+            cores, max_keys, head, dtype, have.numel() * have.element_size() / 1e6, device,
+        )  # fmt: skip
+    return have
+
+
+def prefill_scratch(
+    device: torch.device, cores: int, max_keys: int, head: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """A ``[cores, max_keys, head]`` view of the reserved scratch; where none was reserved or it
+    is too small (a table wider than ``max_model_len``'s), a new one, with a warning on an NPU
+    (then vLLM's memory profile did not count it)."""
+    have = _PREFILL_SCRATCH.get((str(device), head, dtype))
+    if have is None or have.shape[0] < cores or have.shape[1] < max_keys:
+        if device.type == "npu":
+            logger.warning(
+                "MEPIC triton-ascend prefill: no reserved scratch for %d cores x %d keys x %d "
+                "(%s); allocating one outside vLLM's memory profile", cores, max_keys, head, dtype,
+            )  # fmt: skip
+        have = reserve_prefill_scratch(device, cores, max_keys, head, dtype)
+    return have[:cores, :max_keys]
+
+
 def _prefill_step(
     meta: PagedRopeMetadata,
     device: torch.device,
@@ -850,7 +895,7 @@ def _prefill_step(
         num_items = torch.tensor([seqs.numel()], dtype=torch.int32, device=device)
         row_q_idx = _int32(meta.query_indices, device).repeat_interleave(group)
         max_keys = max(1, meta.max_num_blocks * meta.block_size)
-        scratch = torch.empty(cores, max_keys, head, device=device, dtype=dtype)
+        scratch = prefill_scratch(device, cores, max_keys, head, dtype)
         meta.memo[key] = (
             num_items, seqs.to(device), lo.to(device), hi.to(device), row_q_idx, scratch
         )  # fmt: skip

@@ -61,9 +61,24 @@ class MepicNPUModelRunner(MepicRunnerMixin, NPUModelRunner):
 
 
 def reserve_attention_scratch(vllm_config, device: torch.device) -> None:
-    """The torch_npu composition's fixed scratch, when this model's attention runs on it."""
+    """The attention path's fixed scratch, before vLLM's profiling run counts memory: the
+    torch_npu composition's (``ops.npu.reserve_scratch``) or the triton-ascend prefill kernel's
+    rotated-K scratch (``reserve_prefill_scratch``)."""
     mc = vllm_config.model_config
-    if npu_attention_impl(mc) != "npu":
+    impl = npu_attention_impl(mc)
+    if impl == "triton-ascend":
+        from cuda_fallback.rope_paged_attention_ascend import (
+            dots_in_fp32,
+            num_cores,
+            reserve_prefill_scratch,
+        )
+
+        bs = vllm_config.cache_config.block_size
+        max_keys = -(-mc.max_model_len // bs) * bs  # a block table of max_model_len tokens
+        dot_dtype = torch.float32 if dots_in_fp32(mc.dtype, mc.dtype, None) else mc.dtype
+        reserve_prefill_scratch(device, num_cores(device), max_keys, mc.get_head_size(), dot_dtype)
+        return
+    if impl != "npu":
         return
     from ascend_mepic.ops.npu import reserve_scratch
 
