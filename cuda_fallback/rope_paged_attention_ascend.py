@@ -208,6 +208,34 @@ def _i64(x):
 
 
 @triton.jit
+def _tile_block_ptr(base, n_rows, row0, stride_row, n_cols, ROWS: tl.constexpr,
+                    COLS: tl.constexpr):  # fmt: skip
+    """The 2-D block pointer of ``_load_tile``'s tile (triton-ascend's idiom; vllm-ascend's
+    kernels use this form)."""
+    return tl.make_block_ptr(
+        base,
+        shape=(n_rows, n_cols),
+        strides=(stride_row, 1),
+        offsets=(row0, 0),
+        block_shape=(ROWS, COLS),
+        order=(1, 0),
+    )
+
+
+@triton.jit
+def _tile_ptrs(base, row0, stride_row, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The same tile as pointer arithmetic (upstream Triton removed block pointers)."""
+    r = row0 + tl.arange(0, ROWS)
+    return base + r.to(tl.int64)[:, None] * stride_row + tl.arange(0, COLS)[None, :]
+
+
+@triton.jit
+def _tile_mask(n_rows, row0, n_cols, ROWS: tl.constexpr, COLS: tl.constexpr):
+    r = row0 + tl.arange(0, ROWS)
+    return (r < n_rows)[:, None] & (tl.arange(0, COLS) < n_cols)[None, :]
+
+
+@triton.jit
 def _load_tile(
     base,
     n_rows,
@@ -219,27 +247,16 @@ def _load_tile(
     BLOCK_PTR: tl.constexpr,
 ):
     """Rows ``[row0, row0 + ROWS)`` x columns ``[0, COLS)`` of a row-major 2-D region with unit
-    column stride, zero past ``n_rows`` rows and ``n_cols`` columns.
-
-    ``BLOCK_PTR``: a 2-D block pointer (triton-ascend's idiom; vllm-ascend's kernels use this
-    form); else the same tile as pointer arithmetic with a mask (upstream Triton, which removed
-    block pointers, runs this form in its interpreter).
+    column stride, zero past ``n_rows`` rows and ``n_cols`` columns: through a 2-D block pointer
+    (``BLOCK_PTR``) or, for upstream Triton's interpreter, masked pointer arithmetic. Each helper
+    returns a value in both branches (a ``None`` returned from a jit function does not compile).
     """
     if BLOCK_PTR:
-        ptr = tl.make_block_ptr(
-            base,
-            shape=(n_rows, n_cols),
-            strides=(stride_row, 1),
-            offsets=(row0, 0),
-            block_shape=(ROWS, COLS),
-            order=(1, 0),
-        )
+        ptr = _tile_block_ptr(base, n_rows, row0, stride_row, n_cols, ROWS, COLS)
         x = tl.load(ptr, boundary_check=(0, 1), padding_option="zero")
     else:
-        r = row0 + tl.arange(0, ROWS)
-        c = tl.arange(0, COLS)
-        mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
-        x = tl.load(base + r.to(tl.int64)[:, None] * stride_row + c[None, :], mask=mask, other=0.0)
+        mask = _tile_mask(n_rows, row0, n_cols, ROWS, COLS)
+        x = tl.load(_tile_ptrs(base, row0, stride_row, ROWS, COLS), mask=mask, other=0.0)
     return x
 
 
@@ -257,20 +274,11 @@ def _store_tile(
 ):
     """Store ``x`` ``[ROWS, COLS]`` where ``_load_tile`` would load it (in range only)."""
     if BLOCK_PTR:
-        ptr = tl.make_block_ptr(
-            base,
-            shape=(n_rows, n_cols),
-            strides=(stride_row, 1),
-            offsets=(row0, 0),
-            block_shape=(ROWS, COLS),
-            order=(1, 0),
-        )
+        ptr = _tile_block_ptr(base, n_rows, row0, stride_row, n_cols, ROWS, COLS)
         tl.store(ptr, x, boundary_check=(0, 1))
     else:
-        r = row0 + tl.arange(0, ROWS)
-        c = tl.arange(0, COLS)
-        mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
-        tl.store(base + r.to(tl.int64)[:, None] * stride_row + c[None, :], x, mask=mask)
+        mask = _tile_mask(n_rows, row0, n_cols, ROWS, COLS)
+        tl.store(_tile_ptrs(base, row0, stride_row, ROWS, COLS), x, mask=mask)
 
 
 @triton.jit
