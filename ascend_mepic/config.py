@@ -12,6 +12,7 @@ from typing import Any
 
 from ascend_mepic.core.markers import DEFAULT_BEGIN, DEFAULT_END
 from ascend_mepic.core.policies import Placement, Policy, parse_policy
+from ascend_mepic.core.request_limits import DEFAULT_MAX_CHUNKS
 from ascend_mepic.core.segments import DEFAULT_PAD_TOKEN_ID
 from ascend_mepic.tier.index import TierConfig
 
@@ -43,6 +44,9 @@ class MepicConfig:
     # The off-device chunk tier in LMCache (see ascend_mepic/tier/index.py), e.g.
     # {"cpu_gib": 1, "disk": "/var/cache/mepic"} or {"remote": "redis://10.0.0.5:6379"}.
     tier: dict[str, Any] = field(default_factory=dict)
+    # Chunks one request may have. It sizes each request's block-table row (a chunk can add
+    # three entries beyond its tokens: ``core.request_limits``); a request with more is refused.
+    max_chunks_per_request: int = DEFAULT_MAX_CHUNKS
 
     @classmethod
     def from_additional_config(cls, additional: dict[str, Any] | None) -> MepicConfig:
@@ -57,6 +61,11 @@ class MepicConfig:
             raise ValueError(f"unknown MEPIC option(s) {unknown}; known: {sorted(known)}")
         config = cls(**raw)
         parse_policy(config.policy)  # ValueError names the choices
+        if type(config.max_chunks_per_request) is not int or config.max_chunks_per_request < 1:
+            raise ValueError(
+                f"max_chunks_per_request must be a positive integer, got "
+                f"{config.max_chunks_per_request!r}"
+            )
         if config.blend_check_layer < 0:
             raise ValueError("blend_check_layer must be >= 0")
         policy = config.parsed_policy

@@ -851,8 +851,8 @@ def reserve_prefill_scratch(
     Why: vLLM sizes the KV cache from what its profiling run leaves, and that run skips
     attention, so a scratch allocated at the first prefill would be memory vLLM never counted
     (20 cores x 32k keys x head 128 in bfloat16 is 168 MB). The NPU runner calls this before the
-    profiling run (``MepicNPUModelRunner.profile_run``) with ``max_keys`` covering a block table
-    of ``max_model_len`` tokens; every step then takes views of it."""
+    profiling run (``MepicNPUModelRunner.profile_run``) with ``max_keys`` covering a whole
+    block-table row (``core.request_limits.table_width``); every step then takes views of it."""
     key = (str(device), head, dtype)
     have = _PREFILL_SCRATCH.get(key)
     if have is None or have.shape[0] < cores or have.shape[1] < max_keys:
@@ -872,7 +872,7 @@ def prefill_scratch(
     device: torch.device, cores: int, max_keys: int, head: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """A ``[cores, max_keys, head]`` view of the reserved scratch; where none was reserved or it
-    is too small (a table wider than ``max_model_len``'s), a new one, with a warning on an NPU
+    is too small (a table wider than the reserved row), a new one, with a warning on an NPU
     (then vLLM's memory profile did not count it)."""
     have = _PREFILL_SCRATCH.get((str(device), head, dtype))
     if have is None or have.shape[0] < cores or have.shape[1] < max_keys:

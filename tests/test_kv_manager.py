@@ -471,8 +471,9 @@ def test_pinned_block_count_follows_pins_moves_and_drops():
 
 
 def test_server_precheck_accepts_and_rejects_what_the_engine_does():
-    """The HTTP server's 400 and the engine's intake judge the same block table."""
+    """The HTTP server's 400 and the engine's intake judge requests by one rule."""
     from ascend_mepic.core.policies import parse_policy
+    from ascend_mepic.core.request_limits import RequestLimits
     from ascend_mepic.entrypoints.server.segments import MepicRequestError, check_fits
 
     rng, policy, seen = random.Random(0), parse_policy("mepic"), set()
@@ -485,17 +486,19 @@ def test_server_precheck_accepts_and_rejects_what_the_engine_does():
                 chunk(10 * i + c, rng.randint(1, 150)),
                 Segment.prompt([7] * rng.randint(1, 9)),
             ]
+        tokens = [t for s in segs for t in s.token_ids]
+        lengths = [[s.kind.value, len(s.token_ids)] for s in segs]
         try:
-            check_fits([[s.kind.value, len(s.token_ids)] for s in segs], B, max_len, policy)
+            check_fits(tokens, lengths, RequestLimits(policy, B, max_len))
             server_ok = True
         except MepicRequestError as e:
-            assert "max_model_len" in str(e)
+            assert f"maximum model length of {max_len}" in str(e)
             server_ok = False
         try:
             m.track(make_request(f"r{i}", segs, B))
             engine_ok = True
         except MepicCapacityError as e:
-            assert "max_model_len" in str(e)
+            assert f"maximum model length of {max_len}" in str(e)
             engine_ok = False
         assert server_ok == engine_ok, segs
         seen.add(server_ok)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ascend_mepic.core.policies import Policy, parse_policy
+from ascend_mepic.core.request_limits import DEFAULT_MAX_CHUNKS
 from ascend_mepic.tier.host_store import HostChunkStore
 from ascend_mepic.tier.index import TierIndex
 
@@ -20,3 +21,4 @@ class KVSettings:
     dummy_token_id: int = 0  # LegoLink-0's dummy token (the model's BOS)
     store: HostChunkStore | None = None  # set by the scheduler for loading policies
     tier: TierIndex | None = None  # set by the scheduler when the tier is configured
+    max_chunks: int = DEFAULT_MAX_CHUNKS  # chunks per request (``core.request_limits``)

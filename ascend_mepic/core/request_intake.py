@@ -23,7 +23,8 @@ from ascend_mepic.core.errors import MepicCapacityError, MepicUnsupportedError
 from ascend_mepic.core.identity import ChunkId, chunk_identity
 from ascend_mepic.core.kv_settings import KVSettings
 from ascend_mepic.core.plan import RequestPlan, SequencePlacement
-from ascend_mepic.core.policies import Placement, arrival_layout
+from ascend_mepic.core.policies import arrival_layout
+from ascend_mepic.core.request_limits import RequestLimits, chunk_is_cached, worst_case_blocks
 from ascend_mepic.core.segments import (
     EXTRA_ARGS_KEY,
     PIN_KEY,
@@ -231,41 +232,25 @@ class RequestIntake:
             raise MepicUnsupportedError("a MEPIC request must be registered before it runs")
         segments = segments_from_real(request.prompt_token_ids or [], extra[EXTRA_ARGS_KEY])
         policy, bs = self.settings.policy, self.block_size
-        packed, fingerprint, salt = policy.packed, self.model_fingerprint, request.cache_salt
+        fingerprint, salt = self.model_fingerprint, request.cache_salt
         chunk_ids: dict[int, ChunkId | None] = {}
         for i, seg in enumerate(segments):
             if seg.kind is SegmentKind.CHUNK:
-                n = len(seg.token_ids)
-                # Shared placement: a chunk is cached if tokens are left after its private ones.
-                cached = (
-                    policy.in_context_tokens(n, bs) < n
-                    if packed
-                    else policy.placement is not Placement.NONE
-                )
+                cached = chunk_is_cached(policy, len(seg.token_ids), bs)
                 chunk_ids[i] = (
                     chunk_identity(seg.token_ids, bs, fingerprint, salt) if cached else None
                 )
         layout = arrival_layout(segments, policy, bs)
-        if layout.num_padded_tokens >= self.max_model_len:
-            raise MepicCapacityError(
-                f"the prompt's block table ({layout.num_blocks} entries of {self.block_size} "
-                f"slots) leaves no room in the model's max_model_len {self.max_model_len}"
-            )
+        limits = RequestLimits(policy, bs, self.max_model_len, self.settings.max_chunks)
+        limits.check(layout, chunk_ids)
         self.room.check_request(layout, chunk_ids)
-        private = policy.placement is Placement.PRIVATE
-        if packed:  # private blocks, canonical blocks of every chunk, compile scratch
-            worst_case = layout.num_private_blocks
-            for sp in layout.chunk_spans:
-                worst_case += -(-sp.private_tokens // bs) + sp.num_shared
-        else:
-            worst_case = layout.num_blocks + (
-                1 if private else sum(1 for c in chunk_ids.values() if c is not None)
-            )
+        worst_case = worst_case_blocks(layout, policy, chunk_ids)
         usable = num_usable_blocks(self.block_pool) - self.chunk_cache.num_pinned_blocks()
         if worst_case > usable:
             raise MepicCapacityError(
-                f"request needs up to {worst_case} KV blocks (layout {layout.num_blocks} + "
-                f"compile scratch) but the pool has only {usable} usable blocks"
+                f"the request needs up to {worst_case} KV blocks (its table of "
+                f"{layout.num_blocks} entries, chunk compiles' scratch) but the KV cache has only "
+                f"{usable} usable blocks beside the pinned chunks"
             )
         return layout, chunk_ids
 
@@ -292,7 +277,7 @@ class RequestIntake:
                 layout, chunk_ids, self.hash_fn, request.cache_salt, policy.name, leading, stream
             ),
         )
-        request.max_tokens = min(request.max_tokens, self.max_model_len - layout.num_padded_tokens)
+        request.max_tokens = min(request.max_tokens, self.max_model_len - layout.num_real_tokens)
         st = RequestState(
             layout,
             chunk_ids,
@@ -363,7 +348,7 @@ class RequestIntake:
                 layout, padded, self.hash_fn, request.cache_salt, policy.name, leading
             ),
         )
-        request.max_tokens = min(request.max_tokens, self.max_model_len - layout.num_padded_tokens)
+        request.max_tokens = min(request.max_tokens, self.max_model_len - layout.num_real_tokens)
         placement = SequencePlacement(
             segment_lengths=tuple((kind, n) for kind, n in layout.segment_lengths()),
             num_in_context=len(compact_slots),

@@ -103,6 +103,7 @@ class MepicScheduler(Scheduler):
         self._compiles_to_finish: set[str] = set()
         self.pic_policy = self.mepic_config.parsed_policy
         self.kv_cache_manager.policy = self.pic_policy
+        self.kv_cache_manager.settings.max_chunks = self.mepic_config.max_chunks_per_request
         bos = getattr(model.hf_config, "bos_token_id", None)
         self.kv_cache_manager.dummy_token_id = int(bos) if bos is not None else 0
         # Requests of loading policies wait here until their chunks are in the host store.

@@ -7,8 +7,11 @@ final configuration before any process starts: it is where ``worker_cls="auto"``
 platform's own worker and after which vLLM's defaults (async scheduling, the V2 model runner,
 full CUDA graphs, the attention backend) are settled. So MEPIC's general plugin wraps that one
 classmethod of the current platform (``install_config_hook``); with no ``mepic`` entry in
-``additional_config`` the wrapper only calls the platform's own check. This is the one patch of
-this module; vLLM has no documented hook that runs on the final configuration.
+``additional_config`` the wrapper only calls the platform's own check. vLLM has no documented hook
+that runs on the final configuration. The same function wraps the platform's per-request hook,
+``validate_request``, so that vLLM's front end refuses a segmented request the engine could never
+serve, as it refuses an over-long prompt (``front_end`` says why; a request without
+``mepic_segments`` only gets the platform's own check). These two are this module's patches.
 
 What a configuration with MEPIC on gets differs per platform: one ``MepicSelection`` subclass per
 platform, chosen once (``selection_for``):
@@ -32,6 +35,7 @@ import logging
 import os
 from typing import Any
 
+from ascend_mepic.core.segments import EXTRA_ARGS_KEY
 from ascend_mepic.entrypoints.offline import (
     CPU_WORKER_CLS,
     GPU_WORKER_CLS,
@@ -263,6 +267,23 @@ def install_config_hook(platform_cls: type, selection: MepicSelection) -> None:
         current(vllm_config)
         if on:
             selection.after_platform_check(vllm_config)
+            from ascend_mepic.config import MepicConfig
+            from ascend_mepic.vllm_integration import front_end
+
+            front_end.register(
+                vllm_config, MepicConfig.from_additional_config(vllm_config.additional_config)
+            )
 
     check_and_update_config.mepic_selection = selection  # type: ignore[attr-defined]
     platform_cls.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
+    validate = platform_cls.validate_request
+
+    def validate_request(cls, processed_inputs, params) -> None:
+        validate(processed_inputs, params)
+        extra = getattr(params, "extra_args", None)
+        if extra and EXTRA_ARGS_KEY in extra:
+            from ascend_mepic.vllm_integration import front_end
+
+            front_end.check_request(processed_inputs, params)
+
+    platform_cls.validate_request = classmethod(validate_request)  # type: ignore[method-assign]

@@ -67,3 +67,29 @@ def check_block_table(table: Any, block_size: int) -> None:
             f"vLLM split the KV block size {block_size} into kernel blocks ({split} per block); "
             "MEPIC needs the attention backend to accept the KV block size itself"
         )
+
+
+def widen_block_table(table: Any, block_size: int, width: int) -> None:
+    """Give every row of a (still empty) worker block table ``width`` entries.
+
+    Why: vLLM 0.30.0's ``BlockTable`` and vllm-ascend 0.30.0rc2's each size a row for
+    ``max_model_len`` tokens (``KVCacheSpec.max_num_blocks_per_req``), and MEPIC's table lists
+    more entries than its tokens fill (``core.request_limits``). No hook sizes the row: the spec
+    must stay vLLM's ``FullAttentionSpec`` (its KV manager and allocation key on the type), so the
+    runner replaces the row buffer right after the input batch is built, before any request has
+    a row. Both classes keep the width in ``max_num_blocks_per_req`` (the stride of their slot
+    mapping; with no kernel-block split, ``check_block_table``, both count KV blocks) and the rows
+    in ``block_table``, a ``CpuGpuBuffer`` made by ``_make_buffer``.
+    """
+    check_block_table(table, block_size)
+    old = table.block_table
+    rows, cols = old.np.shape
+    if cols >= width:
+        return
+    if table.num_blocks_per_row.any():
+        raise StepPlanError("MEPIC can widen a block table only before it holds rows")
+    new = table._make_buffer(rows, width, dtype=old.cpu.dtype)
+    if old.gpu is old.cpu:  # vLLM's CPU runner aliases the device copy to the host one
+        new.gpu = new.cpu
+    table.block_table = new
+    table.max_num_blocks_per_req = width

@@ -22,6 +22,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ascend_mepic.config import MepicConfig
 from ascend_mepic.core.plan import ChunkMove, ChunkSave, HostLoad, StepPlan, TierLoad
+from ascend_mepic.core.request_limits import table_width
 from ascend_mepic.ops.layout import block_view
 from ascend_mepic.tier import transfer as kv_transfer
 from ascend_mepic.tier.host_store import StoredChunk, host_store
@@ -32,6 +33,7 @@ from ascend_mepic.vllm_integration.runner import (
     STEP_NOT_PLACED,
     check_block_table,
     hand_step_tables,
+    widen_block_table,
 )
 from ascend_mepic.worker import blend, step
 from ascend_mepic.worker.rope import record_model_rope
@@ -50,6 +52,10 @@ class MepicRunnerMixin:
         self.mepic_blend_layer: int | None = None
         config = MepicConfig.from_additional_config(vllm_config.additional_config)
         self.mepic_enabled = config.enabled
+        self.mepic_table_width = table_width(
+            vllm_config.model_config.max_model_len, self.mepic_block_size,
+            config.max_chunks_per_request,
+        )  # fmt: skip
         policy = config.parsed_policy
         self._store = host_store(config.store_root(vllm_config)) if policy.loads_kv else None
         tier = config.tier_config
@@ -78,6 +84,16 @@ class MepicRunnerMixin:
         num_kv_heads = self.model_config.get_num_kv_heads(self.parallel_config)
         head_size = self.model_config.get_head_size()
         return [block_view(c, num_kv_heads, head_size) for c in self.kv_caches]
+
+    def may_reinitialize_input_batch(self, kv_cache_config, *args, **kwargs):
+        """vLLM's (or vllm-ascend's) input batch, with block-table rows as wide as MEPIC's
+        tables (``core.request_limits``; ``vllm_integration.runner.widen_block_table`` says
+        why)."""
+        out = super().may_reinitialize_input_batch(kv_cache_config, *args, **kwargs)
+        if self.mepic_enabled:
+            table = self.input_batch.block_table[0]
+            widen_block_table(table, self.mepic_block_size, self.mepic_table_width)
+        return out
 
     def _update_states(self, scheduler_output):
         """Take this step's plan: token maps of new sequences, then host and tier loads."""

@@ -29,7 +29,9 @@ from vllm.v1.worker.workspace import init_workspace_manager
 from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
 from vllm_ascend.worker.worker import NPUWorker
 
+from ascend_mepic.config import MepicConfig
 from ascend_mepic.core.models import check_model_supported
+from ascend_mepic.core.request_limits import table_width
 from ascend_mepic.ops import select_impl
 from ascend_mepic.vllm_integration.ascend import block_major_buffer, use_attention_backend
 from ascend_mepic.vllm_integration.version import check_vllm_version
@@ -74,7 +76,9 @@ def reserve_attention_scratch(vllm_config, device: torch.device) -> None:
         )
 
         bs = vllm_config.cache_config.block_size
-        max_keys = -(-mc.max_model_len // bs) * bs  # a block table of max_model_len tokens
+        config = MepicConfig.from_additional_config(vllm_config.additional_config)
+        # The kernel's scratch holds a whole block-table row's slots (``core.request_limits``).
+        max_keys = table_width(mc.max_model_len, bs, config.max_chunks_per_request) * bs
         dot_dtype = torch.float32 if dots_in_fp32(mc.dtype, mc.dtype, None) else mc.dtype
         reserve_prefill_scratch(device, num_cores(device), max_keys, mc.get_head_size(), dot_dtype)
         return

@@ -13,14 +13,14 @@ from typing import Any
 
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
+from ascend_mepic.core.errors import MepicCapacityError
 from ascend_mepic.core.markers import MarkerError, Markers, finish_segments, split_marked_text
-from ascend_mepic.core.policies import Policy, arrival_layout
+from ascend_mepic.core.request_limits import RequestLimits
 from ascend_mepic.core.segments import (
     EXTRA_ARGS_KEY,
     LayoutError,
     Segment,
     SegmentKind,
-    parse_segment_lengths,
 )
 
 CHUNK_REF_OPEN = "<<<MEPIC_CHUNK_REF:"
@@ -101,27 +101,18 @@ def flat_segments(segments: Sequence[Segment]) -> tuple[list[int], list[str | in
     return tokens, flat
 
 
-def check_fits(lengths: object, block_size: int, max_model_len: int, policy: Policy) -> int:
-    """Reject a layout that is malformed or whose block table leaves no room to generate.
+def check_fits(token_ids: Sequence[int], lengths: object, limits: RequestLimits) -> None:
+    """Reject a prompt whose segments are malformed or that the engine could never serve.
 
-    Returns the table's slot count. The engine checks the same layout (``arrival_layout``) and
-    the KV pool size, and finishes such requests with an error; checking here gives the client
-    a precise 400 before the request reaches the engine.
+    The same check (``RequestLimits.check_prompt``) runs in vLLM's front end and in the engine's
+    intake; here it gives the client a precise 400 before the request reaches the engine.
     """
     try:
-        segments = [Segment(kind, tuple(range(n))) for kind, n in parse_segment_lengths(lengths)]
-        layout = arrival_layout(segments, policy, block_size)
+        limits.check_prompt(token_ids, lengths)
     except LayoutError as e:
         raise MepicRequestError(f"invalid {EXTRA_ARGS_KEY}: {e}") from None
-    slots = layout.num_padded_tokens
-    if slots >= max_model_len:
-        raise MepicRequestError(
-            f"MEPIC's block table for this prompt of {layout.num_real_tokens} tokens has "
-            f"{layout.num_blocks} entries of {block_size} slots ({slots}: its private blocks "
-            f"plus one entry per block each chunk's shared tokens may touch); it must be "
-            f"shorter than max_model_len {max_model_len} to leave room for output"
-        )
-    return slots
+    except MepicCapacityError as e:
+        raise MepicRequestError(str(e)) from None
 
 
 def tokenizer_adds_bos(tokenizer: Any) -> bool:

@@ -26,14 +26,13 @@ from vllm.exceptions import GenerationError
 
 from ascend_mepic.config import MepicConfig
 from ascend_mepic.core.markers import MarkerError, Markers, split_marked_text
+from ascend_mepic.core.request_limits import RequestLimits
 from ascend_mepic.core.segments import (
     EXTRA_ARGS_KEY,
     PIN_KEY,
     UNPIN_KEY,
-    LayoutError,
     Segment,
     SegmentKind,
-    layout_from_real,
 )
 from ascend_mepic.entrypoints.server.protocol import ChunkCreate
 from ascend_mepic.entrypoints.server.registry import (
@@ -115,6 +114,7 @@ class MepicService:
         self.block_size: int = vllm_config.cache_config.block_size
         self.max_model_len: int = vllm_config.model_config.max_model_len
         self.policy = config.parsed_policy
+        self._vllm_config = vllm_config
         self.chat_template = load_chat_template(args.chat_template)
         self.trust_request_chat_template = bool(args.trust_request_chat_template)
         self.sse_keep_alive = float(getattr(args, "sse_keep_alive_interval", 0) or 0)
@@ -124,6 +124,12 @@ class MepicService:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mepic-tokenize")
         self._tokenizer: Any = None
         self._adds_bos: bool | None = None
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The engine's limits on a segmented request, as its front end and intake check them
+        (read per request: the KV pool's size is known once the engine has started)."""
+        return RequestLimits.from_vllm_config(self._vllm_config, self.config)
 
     @property
     def tokenizer(self) -> Any:
@@ -188,7 +194,7 @@ class MepicService:
             segs = await self.segments(texts[0], request.cache_salt, request.add_special_tokens)
             tokens, flat = flat_segments(segs)
             xargs[EXTRA_ARGS_KEY] = flat
-            check_fits(flat, self.block_size, self.max_model_len, self.policy)
+            check_fits(tokens, flat, self.limits)
             return request.model_copy(update={"prompt": tokens, "vllm_xargs": xargs})
         ids: list[int] | None = None
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -199,11 +205,7 @@ class MepicService:
             raise MepicRequestError(
                 f"vllm_xargs.{EXTRA_ARGS_KEY} needs the prompt as one list of token ids"
             )
-        try:
-            layout_from_real(ids, xargs[EXTRA_ARGS_KEY], self.block_size)
-        except LayoutError as e:
-            raise MepicRequestError(f"invalid {EXTRA_ARGS_KEY}: {e}") from None
-        check_fits(xargs[EXTRA_ARGS_KEY], self.block_size, self.max_model_len, self.policy)
+        check_fits(ids, xargs[EXTRA_ARGS_KEY], self.limits)
         return request
 
     async def run_completion(
@@ -297,7 +299,7 @@ class MepicService:
         text = await self._in_thread(self._render_chat, request, messages)
         segs = await self.segments(text, request.cache_salt, request.add_special_tokens)
         tokens, flat = flat_segments(segs)
-        check_fits(flat, self.block_size, self.max_model_len, self.policy)
+        check_fits(tokens, flat, self.limits)
         fields = request.model_dump(exclude_unset=True)
         body = {k: fields[k] for k in _CHAT_TO_COMPLETION_FIELDS if k in fields}
         xargs = dict(request.vllm_xargs or {})
@@ -322,7 +324,7 @@ class MepicService:
             (t for t in (tok.eos_token_id, tok.bos_token_id) if t is not None), token_ids[-1]
         )
         flat: list[str | int] = [SegmentKind.CHUNK.value, len(token_ids), "prompt", 1]
-        check_fits(flat, self.block_size, self.max_model_len, self.policy)
+        check_fits([*token_ids, tail], flat, self.limits)
         request = CompletionRequest(
             prompt=[*token_ids, tail],
             max_tokens=1,
