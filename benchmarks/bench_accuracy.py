@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ascend_mepic.entrypoints.streams import print_data_only
+from ascend_mepic.eval.outputs import check_token_lists, positive
 from ascend_mepic.eval.policy_reference import PolicyReference, PromptState, parse_policy
 from ascend_mepic.eval.squad_metrics import bootstrap_mean, exact_match, f1, paired_bootstrap
 
@@ -57,6 +58,7 @@ def evaluate_question(
     policies: list[str],
     max_new_tokens: int,
     eos: list[int],
+    question_id: str = "?",
 ) -> dict[str, dict[str, Any]]:
     states = {p: ref.prefill(segments, p) for p in policies}
     gens = dict(
@@ -66,6 +68,9 @@ def evaluate_question(
             strict=True,
         )
     )
+    # An empty answer where tokens were asked is a broken generation, not a wrong answer.
+    answers = {f"policy {p}": g for p, g in gens.items()}
+    check_token_lists(answers, max_new_tokens, f"bench_accuracy, question {question_id}")
     full, full_gen = states["full"], gens["full"]
     gold = list(tokenizer.encode(golds[0], add_special_tokens=False))
     full_tf = _teacher(ref, full, full_gen)
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
 
     records = _resumed(args.resume, config, requests) if args.resume else []
     resumed = len(records)
-    start = time.time()
+    start = time.perf_counter()
 
     def dump(final: bool) -> None:
         if not args.json or not records:
@@ -248,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         if i < len(records):
             continue
         res = evaluate_question(
-            ref, tokenizer, segments, q.answers, policies, args.max_new_tokens, eos_ids
+            ref, tokenizer, segments, q.answers, policies, args.max_new_tokens, eos_ids, q.id
         )
         num_tokens = sum(len(s.token_ids) for s in segments)
         records.append(
@@ -260,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
                 "policies": res,
             }
         )
-        elapsed = time.time() - start
+        elapsed = time.perf_counter() - start
         eta = elapsed / (i + 1 - resumed) * (len(requests) - i - 1)
         f1s = " ".join(f"{p}={res[p]['f1']:.2f}" for p in policies)
         print(
@@ -272,8 +277,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.save_every and (i + 1) % args.save_every == 0:
             dump(final=False)
     summary = summarize(records, policies, args.bootstrap, args.seed)
+    seconds = positive(time.perf_counter() - start, "bench_accuracy: wall time (s)")
     print(markdown(summary, len(records)))
-    print(f"\n{time.time() - start:.0f} s, {args.threads} thread(s)")
+    print(f"\n{seconds:.0f} s, {args.threads} thread(s)")
     dump(final=True)
 
 

@@ -15,6 +15,7 @@ import time
 from ascend_mepic.core.segments import Segment
 from ascend_mepic.entrypoints.streams import print_data_only
 from ascend_mepic.eval.kvsim import build_manager, make_request
+from ascend_mepic.eval.outputs import positive
 
 
 def workload(n: int, seed: int = 0) -> list[list[Segment]]:
@@ -75,17 +76,29 @@ def main() -> None:
             b = best.setdefault(placement, r)
             for k, v in r.items():
                 b[k] = min(b[k], v)
-    s, m = best["prefix"], best["mepic"]
+    text = table(best)  # checked before anything is printed
     print(
         f"{args.requests} concurrent requests, block size {args.block_size}, best of {args.repeats}"
     )
-    print("| manager | arrive + admit all (ms) | decode step (ms) |")
-    print("|---|---|---|")
-    print(f"| stock vLLM KVCacheManager | {s['admit_ms']:.1f} | {s['decode_step_ms']:.2f} |")
-    print(f"| MepicKVCacheManager | {m['admit_ms']:.1f} | {m['decode_step_ms']:.2f} |")
-    print(
-        f"| ratio mepic/stock | {m['admit_ms'] / s['admit_ms']:.2f}x | "
-        f"{m['decode_step_ms'] / s['decode_step_ms']:.2f}x |"
+    print(text)
+
+
+def table(best: dict[str, dict[str, float]]) -> str:
+    """The Markdown table of both managers' best times; raises on a time that is not positive
+    instead of printing it (or a ratio of it)."""
+    for placement, times in best.items():
+        for key, value in times.items():
+            positive(value, f"{placement} manager: {key}")
+    s, m = best["prefix"], best["mepic"]
+    return "\n".join(
+        [
+            "| manager | arrive + admit all (ms) | decode step (ms) |",
+            "|---|---|---|",
+            f"| stock vLLM KVCacheManager | {s['admit_ms']:.1f} | {s['decode_step_ms']:.2f} |",
+            f"| MepicKVCacheManager | {m['admit_ms']:.1f} | {m['decode_step_ms']:.2f} |",
+            f"| ratio mepic/stock | {m['admit_ms'] / s['admit_ms']:.2f}x | "
+            f"{m['decode_step_ms'] / s['decode_step_ms']:.2f}x |",
+        ]
     )
 
 

@@ -25,9 +25,10 @@ import json
 import os
 import statistics
 import sys
-import time
+from collections.abc import Callable, Sequence
 
 from ascend_mepic.entrypoints.streams import print_data_only
+from ascend_mepic.eval.outputs import failures_reported, positive, timed_generate
 
 CONFIGS = {
     "full": {"mepic": False, "prefix": False},
@@ -38,11 +39,11 @@ CONFIGS = {
 
 def worker(job: dict) -> dict:
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from ascend_mepic.core.markers import TextSegment, tokenize_segments
     from ascend_mepic.core.segments import SegmentKind
-    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs, segment_request
+    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs
     from ascend_mepic.eval.trace import squad_trace
 
     tok = AutoTokenizer.from_pretrained(job["model"])
@@ -70,45 +71,53 @@ def worker(job: dict) -> dict:
         seed=0,
         **kwargs,
     )
+
+    def generate(prompts, params):
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    return measure(generate, reqs, warm, job)
+
+
+def measure(generate: Callable[[list, list], Sequence], reqs: list, warm: list, job: dict) -> dict:
+    """TTFT and decode rate of one configuration through ``generate(prompts, params)``
+    (``LLM.generate``). Every call's outputs are checked (``ascend_mepic.eval.outputs``) before
+    its time counts: a refused request ends the job with the reason, never with a number."""
+    from vllm import SamplingParams
+
+    from ascend_mepic.entrypoints.offline import segment_request
+
+    label = f"{job.get('config', 'mepic' if job['mepic'] else 'stock')}, {job['chunks']} paragraphs"
     one = SamplingParams(temperature=0.0, max_tokens=1)
 
-    def run(segs, params):
+    def prompt_of(segs, params):
         if job["mepic"]:
-            prompt, sp = segment_request(segs, params)
-        else:
-            prompt, sp = {"prompt_token_ids": [t for s in segs for t in s.token_ids]}, params
-        return llm.generate([prompt], [sp], use_tqdm=False)
+            return segment_request(segs, params)
+        return {"prompt_token_ids": [t for s in segs for t in s.token_ids]}, params
 
-    for segs in warm:  # warm-up: same paragraphs, other order and question
-        run(segs, one)
-    ttft = []
-    for segs in reqs:
-        t0 = time.perf_counter()
-        run(segs, one)
-        ttft.append(time.perf_counter() - t0)
+    def run(segs, params, what):
+        prompt, sp = prompt_of(segs, params)
+        return timed_generate(generate, [prompt], [sp], f"{label}: {what}")[1]
+
+    for i, segs in enumerate(warm):  # warm-up: same paragraphs, other order and question
+        run(segs, one, f"warm-up request {i}")
+    ttft = [run(segs, one, f"TTFT request {i}") for i, segs in enumerate(reqs)]
     decode_params = SamplingParams(
         temperature=0.0, max_tokens=job["decode_tokens"], ignore_eos=True
     )
-    batch = reqs[: job["decode_batch"]]
-    if job["mepic"]:
-        pairs = [segment_request(s, decode_params) for s in batch]
-        prompts, params = [p for p, _ in pairs], [sp for _, sp in pairs]
-    else:
-        prompts = [{"prompt_token_ids": [t for s in segs for t in s.token_ids]} for segs in batch]
-        params = decode_params
-    llm.generate(prompts, params, use_tqdm=False)  # warm every cache
     first = decode_params.clone()
     first.max_tokens = 1
-    firsts = first if not job["mepic"] else [segment_request(s, first)[1] for s in batch]
+    pairs = [prompt_of(s, decode_params) for s in reqs[: job["decode_batch"]]]
+    prompts, params = [p for p, _ in pairs], [sp for _, sp in pairs]
+    firsts = [prompt_of(s, first)[1] for s in reqs[: job["decode_batch"]]]
+    timed_generate(generate, prompts, params, f"{label}: decode warm-up")  # warm every cache
     rates = []
-    for _ in range(job["decode_rounds"]):  # the median of a few: one round is noisy
-        t0 = time.perf_counter()
-        llm.generate(prompts, firsts, use_tqdm=False)
-        t_first = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0 - t_first
-        rates.append(sum(len(o.outputs[0].token_ids) - 1 for o in outs) / elapsed)
+    for r in range(job["decode_rounds"]):  # the median of a few: one round is noisy
+        what = f"{label}: decode round {r}"
+        _, t_first = timed_generate(generate, prompts, firsts, f"{what}, first token")
+        outs, t_all = timed_generate(generate, prompts, params, what)
+        elapsed = positive(t_all - t_first, f"{what}: time for all tokens minus the first (s)")
+        tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+        rates.append(positive(tokens / elapsed, f"{what}: decode tok/s ({tokens} tokens)"))
     return {
         "ttft_mean_s": statistics.mean(ttft),
         "ttft_p50_s": statistics.median(ttft),
@@ -116,6 +125,22 @@ def worker(job: dict) -> dict:
         "decode_tok_s": statistics.median(rates),
         "decode_tok_s_rounds": rates,
     }
+
+
+def table_row(k: int, rep: int, name: str, r: dict, ref: dict) -> str:
+    """One Markdown row of ``name``'s result ``r`` against the base configuration's ``ref``;
+    raises on a time or rate that is not positive instead of printing it."""
+    what = f"{k} paragraphs, repeat {rep + 1}"
+    ttft_mean = positive(r["ttft_mean_s"], f"{what}, {name}: TTFT mean (s)")
+    ttft_p50 = positive(r["ttft_p50_s"], f"{what}, {name}: TTFT p50 (s)")
+    decode = positive(r["decode_tok_s"], f"{what}, {name}: decode tok/s")
+    ref_ttft = positive(ref["ttft_mean_s"], f"{what}, base: TTFT mean (s)")
+    ref_decode = positive(ref["decode_tok_s"], f"{what}, base: decode tok/s")
+    return (
+        f"| {k} | {rep + 1} | {name} | {r['prompt_tokens_mean']:.0f} | "
+        f"{ttft_mean * 1e3:.1f} | {ttft_p50 * 1e3:.1f} | {ttft_mean / ref_ttft:.2f}x | "
+        f"{decode:.1f} | {decode / ref_decode:.2f}x |"
+    )
 
 
 def main() -> None:
@@ -142,7 +167,9 @@ def main() -> None:
     args = p.parse_args()
     print_data_only()  # stdout: this script's data only; logs (vLLM's too) to stderr
     if args.job:
-        print("RESULT" + json.dumps(worker(json.loads(args.job))))
+        with failures_reported(sys.stdout):  # the parent raises it again, with its reason
+            result = worker(json.loads(args.job))
+        print("RESULT" + json.dumps(result))
         return
 
     from ascend_mepic.eval.bench.runner import run_job_process
@@ -176,22 +203,15 @@ def main() -> None:
                     "decode_batch": args.decode_batch,
                     "decode_rounds": args.decode_rounds,
                     "dtype": args.dtype,
+                    "config": name,
                     **CONFIGS[name],
                 }
-                results[name] = run_job_process(
-                    [sys.executable, __file__, "--job", json.dumps(job)], env, 1800, name
-                )
+                argv = [sys.executable, __file__, "--job", json.dumps(job)]
+                results[name] = run_job_process(argv, env, 1800, f"bench_serving job {name}")
             ref = results[base]
             for name, r in results.items():
-                ratio = r["decode_tok_s"] / ref["decode_tok_s"]
-                ratios[name].append(ratio)
-                print(
-                    f"| {k} | {rep + 1} | {name} | {r['prompt_tokens_mean']:.0f} | "
-                    f"{r['ttft_mean_s'] * 1e3:.1f} | {r['ttft_p50_s'] * 1e3:.1f} | "
-                    f"{r['ttft_mean_s'] / ref['ttft_mean_s']:.2f}x | "
-                    f"{r['decode_tok_s']:.1f} | {ratio:.2f}x |",
-                    flush=True,
-                )
+                print(table_row(k, rep, name, r, ref), flush=True)
+                ratios[name].append(r["decode_tok_s"] / ref["decode_tok_s"])
         if args.repeats > 1:
             for name in args.configs[1:]:
                 got = ", ".join(f"{x:.2f}" for x in ratios[name])

@@ -23,16 +23,29 @@ import os
 import statistics
 import sys
 import tempfile
-import time
+from collections.abc import Callable, Sequence
 
 from ascend_mepic.entrypoints.streams import print_data_only
+from ascend_mepic.eval.outputs import failures_reported, positive, timed_generate
+
+
+def ttft(generate: Callable[[list, list], Sequence], segments: list, what: str) -> float:
+    """Seconds of one segmented request alone with ``max_tokens=1`` through
+    ``generate(prompts, params)`` (``LLM.generate``); its output is checked first, so a refused
+    request raises with the reason instead of being timed."""
+    from vllm import SamplingParams
+
+    from ascend_mepic.entrypoints.offline import segment_request
+
+    prompt, params = segment_request(segments, SamplingParams(temperature=0.0, max_tokens=1))
+    return timed_generate(generate, [prompt], [params], what)[1]
 
 
 def worker(job: dict) -> dict:
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
-    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs, segment_request
+    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs
     from ascend_mepic.eval.squad_prompts import chat_segments
     from ascend_mepic.eval.trace import squad_requests
 
@@ -46,29 +59,46 @@ def worker(job: dict) -> dict:
         seed=0,
         **mepic_llm_kwargs(tier=job["tier"]),
     )
-    one = SamplingParams(temperature=0.0, max_tokens=1)
 
-    def ttft(segments) -> float:
-        prompt, params = segment_request(segments, one)
-        start = time.perf_counter()
-        llm.generate([prompt], [params], use_tqdm=False)
-        return time.perf_counter() - start
+    def generate(prompts, params):
+        return llm.generate(prompts, params, use_tqdm=False)
 
+    label = f"tier {'disk' if job['tier'].get('disk') else 'cpu'}/{job['tier'].get('load')}"
     other = "Which documents mention a date?"
     third = "Which names appear in these documents?"
     times: dict[str, list[float]] = {"absent": [], "device": [], "tier": []}
-    for q, paragraphs in squad_requests(job["requests"], job["chunks"], job["seed"]):
-        times["absent"].append(ttft(chat_segments(tok, q.question, paragraphs)))
-        times["device"].append(ttft(chat_segments(tok, other, paragraphs[::-1])))
+    for i, (q, paragraphs) in enumerate(
+        squad_requests(job["requests"], job["chunks"], job["seed"])
+    ):
+        what = f"{label}, question {i}"
+        segs = chat_segments(tok, q.question, paragraphs)
+        times["absent"].append(ttft(generate, segs, f"{what}, absent"))
+        segs = chat_segments(tok, other, paragraphs[::-1])
+        times["device"].append(ttft(generate, segs, f"{what}, device"))
         llm.reset_prefix_cache()  # evicts every idle chunk (and the prefix cache)
         rotated = paragraphs[1:] + paragraphs[:1]
-        times["tier"].append(ttft(chat_segments(tok, third, rotated)))
+        segs = chat_segments(tok, third, rotated)
+        times["tier"].append(ttft(generate, segs, f"{what}, tier"))
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
     metrics = core.scheduler.kv_cache_manager.metrics() if core is not None else {}
     return {
         "ttft_s": {k: statistics.mean(v) for k, v in times.items()},
         "metrics": {k: v for k, v in metrics.items() if k.startswith(("tier", "chunk"))},
     }
+
+
+def table_row(name: str, r: dict) -> str:
+    """One Markdown row of a tier / load mode's result; raises on a TTFT that is not positive
+    instead of printing it."""
+    t = {k: positive(v, f"{name}: mean TTFT, chunks {k} (s)") for k, v in r["ttft_s"].items()}
+    m = r["metrics"]
+    return (
+        f"| {name} | {t['absent'] * 1e3:.0f} | {t['device'] * 1e3:.0f} | "
+        f"{t['tier'] * 1e3:.0f} | {t['tier'] / t['absent']:.2f}x | "
+        f"{t['device'] / t['absent']:.2f}x | {m.get('tier_loads', 0)} | "
+        f"{m.get('tier_fallbacks', 0)} | {m.get('tier_decided_load', 0)} / "
+        f"{m.get('tier_decided_compute', 0)} |"
+    )
 
 
 def run_job(job: dict) -> dict:
@@ -98,7 +128,9 @@ def main() -> None:
     args = p.parse_args()
     print_data_only()  # stdout: this script's data only; logs (vLLM's too) to stderr
     if args.job:
-        print("RESULT" + json.dumps(worker(json.loads(args.job))))
+        with failures_reported(sys.stdout):  # the parent raises it again, with its reason
+            result = worker(json.loads(args.job))
+        print("RESULT" + json.dumps(result))
         return
 
     from ascend_mepic.eval.prepare import resolve_model
@@ -122,6 +154,7 @@ def main() -> None:
                 name = f"{tier_name}/{mode}"
                 print(f"running {name} ...", file=sys.stderr, flush=True)
                 results[name] = run_job({**base, "tier": tier})
+    rows = [table_row(name, r) for name, r in results.items()]  # checked before printing
     print(
         f"model {args.model}, {args.requests} SQuAD questions x {args.chunks} paragraphs, "
         f"block size {args.block_size}, mean TTFT per request (ms)\n"
@@ -131,15 +164,7 @@ def main() -> None:
         "tier loads | fallbacks | decided load / compute |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, r in results.items():
-        t, m = r["ttft_s"], r["metrics"]
-        print(
-            f"| {name} | {t['absent'] * 1e3:.0f} | {t['device'] * 1e3:.0f} | "
-            f"{t['tier'] * 1e3:.0f} | {t['tier'] / t['absent']:.2f}x | "
-            f"{t['device'] / t['absent']:.2f}x | {m.get('tier_loads', 0)} | "
-            f"{m.get('tier_fallbacks', 0)} | {m.get('tier_decided_load', 0)} / "
-            f"{m.get('tier_decided_compute', 0)} |"
-        )
+    print("\n".join(rows))
     print()
     for tier_name in ("cpu", "disk"):
         runs = {

@@ -183,11 +183,16 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)  # --help is data: printed before the switch below
     if entry:
         isolate_stdout()
+    from ascend_mepic.eval.outputs import ResultError
+
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"ascend-mepic: error: {e}", file=sys.stderr)
         return 2
+    except ResultError as e:  # a failed request or a non-positive time: no result to report
+        print(f"ascend-mepic: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ascend_mepic.eval.outputs import positive
 from ascend_mepic.ops.metadata import PagedRopeMetadata, SequenceSpec, build_metadata
 from ascend_mepic.ops.reference import (
     gather_sequence_keys,
@@ -341,7 +342,19 @@ def run_case(
     else:
         note = f"vLLM kernel skipped ({case.dtype_name} unsupported here)"
     ours_ms, vllm_ms, split = interleaved_medians(inp, ours, theirs, warmup, repeat)
-    return Row(case, max_diff, ours_ms, vllm_ms, split, note)
+    return checked(Row(case, max_diff, ours_ms, vllm_ms, split, note))
+
+
+def checked(row: Row) -> Row:
+    """``row`` if every time in it is positive; else raise instead of reporting it."""
+    c = row.case
+    what = f"{c.shape.name} {c.phase} ctx={c.context} {c.dtype_name} B={c.block_size}"
+    positive(row.ours_ms, f"{what}: ours (ms)")
+    if row.vllm_ms is not None:
+        positive(row.vllm_ms, f"{what}: vLLM (ms)")
+    for step, ms in row.split_ms.items():
+        positive(ms, f"{what}: ours' {step} step (ms)")
+    return row
 
 
 def fmt(x: float | None, spec: str = ".2f") -> str:
@@ -349,6 +362,8 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
 
 
 def print_tables(rows: list[Row]) -> None:
+    for r in rows:
+        checked(r)  # all of them before anything is printed
     print(
         "\n| shape | phase | ctx | dtype | block | max abs diff | ours ms | vLLM ms "
         "| ours/vLLM | note |"

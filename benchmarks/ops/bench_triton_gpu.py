@@ -42,6 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # cuda_fallback is not installed
 
+from ascend_mepic.eval.outputs import positive  # noqa: E402
 from ascend_mepic.ops.metadata import SequenceSpec, build_metadata  # noqa: E402
 from ascend_mepic.ops.rope import RopeSpec, apply_rope, default_cos_sin_cache  # noqa: E402
 
@@ -176,7 +177,10 @@ def cuda_timer(warmup: int, repeat: int, flush: bool) -> Timer:
 
 def run_case(case: Case, timer: Timer, peak_gbps: float) -> dict[str, str]:
     diff = (case.fused().float() - case.sdpa().float()).abs().max().item()
-    t_fused, t_plain, t_sdpa = timer(case.fused), timer(case.no_rope), timer(case.sdpa)
+    what = f"{case.phase} context {case.context} B={case.block_size}"
+    t_fused = positive(timer(case.fused), f"{what}: fused RoPE (ms)")
+    t_plain = positive(timer(case.no_rope), f"{what}: no RoPE (ms)")
+    t_sdpa = positive(timer(case.sdpa), f"{what}: SDPA (ms)")
 
     def perf(ms: float) -> str:
         if case.phase == "decode":
@@ -258,6 +262,7 @@ def sweep_case(
                   file=sys.stderr)  # fmt: skip
             rows.append(sweep_row(case, label, None, None, f"failed: {type(exc).__name__}"))
             continue
+        ms = positive(ms, f"{case.phase} context {case.context} B={case.block_size} {label} (ms)")
         base = ms if base is None else base
         note = f"{diff:.1e}" + (" MISMATCH" if not diff <= TOLERANCE else "")
         rows.append(sweep_row(case, label, ms, base / ms, note))

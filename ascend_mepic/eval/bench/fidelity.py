@@ -105,6 +105,10 @@ def policy_row(
     """One policy's fidelity summary against full (same questions, matched by index)."""
     from ascend_mepic.eval.squad_metrics import bootstrap_mean, paired_bootstrap
 
+    # A question the engine did not answer (an error finish, no tokens) is no fidelity datum:
+    # refuse the run before anything is compared.
+    stats.check_raw(full_raw, "full")
+    stats.check_raw(raw, label)
     qs = _per_question(raw, full_raw)
     ref = _per_question(full_raw, full_raw)
     # mean(full - policy) over the same questions: the drop, positive when the policy is worse.

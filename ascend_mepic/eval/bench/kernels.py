@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ascend_mepic.eval.outputs import positive
 from ascend_mepic.ops import cpu_kernel
 from ascend_mepic.ops.layout import cache_view
 from ascend_mepic.ops.metadata import PagedRopeMetadata
@@ -188,10 +189,14 @@ def run(
             # is timed apart: its large temporaries would evict the kernels' data between turns.
             rounds = repeats * 20 if kind == "decode" else repeats
             timed = _time({"vllm": case.run_vllm, "mepic": case.run_mepic}, rounds)
-            vllm_s, mepic_s = timed["vllm"], timed["mepic"]
+            vllm_s = positive(timed["vllm"], f"{kind}/{name}: vLLM kernel call (s)")
+            mepic_s = positive(timed["mepic"], f"{kind}/{name}: MEPIC kernel call (s)")
             reference_s = None
             if with_reference:
-                reference_s = _time({"reference": case.run_reference}, repeats)["reference"]
+                reference_s = positive(
+                    _time({"reference": case.run_reference}, repeats)["reference"],
+                    f"{kind}/{name}: torch reference call (s)",
+                )
             results[f"{kind}/{name}"] = {
                 "vllm_s": vllm_s,
                 "mepic_s": mepic_s,

@@ -15,6 +15,13 @@ import sys
 import time
 from typing import Any
 
+from ascend_mepic.eval.outputs import (
+    check_records,
+    check_request_outputs,
+    failures_reported,
+    raise_from_job,
+)
+
 STOCK_POLICIES = ("prefix", "full-stock")
 
 
@@ -86,6 +93,39 @@ def _block_bytes(llm: Any, block_size: int) -> int:
         return 0
 
 
+def record_outputs(recs: list[dict], outs: list[Any], t: float) -> int:
+    """Record one engine step's outputs (vLLM ``RequestOutput``, request id = index in ``recs``)
+    at ``t`` seconds; returns how many requests finished in it."""
+    finished = 0
+    for o in outs:
+        r = recs[int(o.request_id)]
+        c = o.outputs[0]
+        if r["first_token_s"] is None and len(c.token_ids) > 0:
+            r["first_token_s"] = t
+        if o.finished:
+            r["finish_s"] = t
+            r["text"] = c.text
+            r["output_tokens"] = len(c.token_ids)
+            r["first_token"] = c.token_ids[0] if c.token_ids else None
+            lp = c.logprobs[0] if c.logprobs else {}
+            r["top_logprobs"] = {str(k): v.logprob for k, v in lp.items()}
+            r["num_cached_tokens"] = o.num_cached_tokens
+            r["finish_reason"] = c.finish_reason
+            finished += 1
+    return finished
+
+
+def check_run(recs: list[dict], job: dict) -> None:
+    """Refuse a run in which any request was not served (see ``ascend_mepic.eval.outputs``)."""
+    check_records(
+        recs,
+        job["max_tokens"],
+        f"policy {job['policy']} ({job['chunks']} chunks, QPS {job['qps']:g})",
+        hint="the engine's log says why, e.g. a step budget too small: --max-batched-tokens; "
+        "not a valid run",
+    )
+
+
 def run(job: dict) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -135,7 +175,8 @@ def run(job: dict) -> dict:
     p, sp = prompt_of(warm)
     warm_params = sp.clone()
     warm_params.max_tokens = 2
-    llm.generate([p], [warm_params], use_tqdm=False)
+    warm_out = llm.generate([p], [warm_params], use_tqdm=False)
+    check_request_outputs(warm_out, [warm_params], f"{policy}: warm-up request", expected=1)
 
     arrivals = poisson_arrivals(len(requests), job["qps"], job["seed"])
     recs: list[dict] = [
@@ -170,37 +211,20 @@ def run(job: dict) -> dict:
         outs = engine.step()
         t = time.perf_counter() - t0
         timeline.append((round(t, 4), used_blocks()))
-        for o in outs:
-            r = recs[int(o.request_id)]
-            c = o.outputs[0]
-            if r["first_token_s"] is None and len(c.token_ids) > 0:
-                r["first_token_s"] = t
-            if o.finished:
-                r["finish_s"] = t
-                r["text"] = c.text
-                r["output_tokens"] = len(c.token_ids)
-                r["first_token"] = c.token_ids[0] if c.token_ids else None
-                lp = c.logprobs[0] if c.logprobs else {}
-                r["top_logprobs"] = {str(k): v.logprob for k, v in lp.items()}
-                r["num_cached_tokens"] = o.num_cached_tokens
-                r["finish_reason"] = c.finish_reason
-                done += 1
-                if bar is not None:
-                    bar.update(1)
+        finished = record_outputs(recs, outs, t)
+        done += finished
+        if bar is not None:
+            bar.update(finished)
     if bar is not None:
         bar.close()
-    rejected = [r["index"] for r in recs if r.get("finish_reason") == "error"]
-    if rejected:
-        raise RuntimeError(
-            f"{len(rejected)} of {len(recs)} requests were rejected by the engine (its log above "
-            f"says why, e.g. a step budget too small: --max-batched-tokens); not a valid run"
-        )
+    check_run(recs, job)
     metrics = manager.metrics() if hasattr(manager, "metrics") else {}
     return {
         "policy": policy,
         "workload": f"squad-chat-{job['chunks']}p",
         "qps": job["qps"],
         "block_size": block_size,
+        "max_tokens": job["max_tokens"],
         "max_num_batched_tokens": engine.vllm_config.scheduler_config.max_num_batched_tokens,
         "num_chunks": job["chunks"],
         "pool_blocks": pool_blocks,
@@ -232,8 +256,10 @@ def run_in_subprocess(job: dict, timeout: float = 3600) -> dict:
 def run_job_process(
     argv: list[str], env: dict, timeout: float, label: str, capture_stderr: bool = True
 ) -> dict:
-    """Run a benchmark job's process and return the ``RESULT{...}`` line it prints; a failed job
-    raises with the tail of its stderr (when captured)."""
+    """Run a benchmark job's process and return the ``RESULT{...}`` line it prints; a job that
+    reported a failed request or measurement (``ascend_mepic.eval.outputs.failures_reported``)
+    raises that error here, any other failure raises with the tail of its stderr (when
+    captured)."""
     import subprocess
 
     proc = subprocess.run(
@@ -245,6 +271,7 @@ def run_job_process(
         timeout=timeout,
     )
     if proc.returncode != 0:
+        raise_from_job(proc.stdout, label)  # a failed request or measurement: its own message
         tail = (proc.stderr or "")[-3000:]
         raise RuntimeError(f"{label} failed (rc {proc.returncode})\n{tail}")
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
@@ -256,7 +283,9 @@ def main() -> None:
 
     out = isolate_stdout()  # vLLM's logs to stderr: stdout holds only the RESULT line
     job = json.loads(sys.argv[1])
-    out.write("RESULT" + json.dumps(run(job)) + "\n")
+    with failures_reported(out):
+        result = run(job)
+    out.write("RESULT" + json.dumps(result) + "\n")
     out.flush()
 
 

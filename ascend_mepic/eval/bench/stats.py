@@ -11,6 +11,8 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ascend_mepic.eval.outputs import check_records, positive
+
 # Keys every per-policy JSON has (more are allowed).
 REQUIRED_KEYS = (
     "policy",
@@ -110,15 +112,38 @@ def _int_keys(d: Mapping[Any, float]) -> dict[int, float]:
     return {int(k): float(v) for k, v in d.items()}
 
 
+def check_raw(raw: Mapping[str, Any], label: str | None = None) -> None:
+    """Refuse a runner's raw result in which a request was not served (an error or abort
+    finish, or no tokens): its times would be those of the engine saying no."""
+    what = f"policy {label or raw.get('policy')}"
+    check_records(raw["per_request"], raw.get("max_tokens"), what)
+
+
 def summarize(raw: Mapping[str, Any], full_raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The per-policy JSON from a runner's raw result (and full's, for fidelity)."""
+    """The per-policy JSON from a runner's raw result (and full's, for fidelity). Raises
+    (``ascend_mepic.eval.outputs``) on a request that was not served or a time that is not
+    positive, before any number is computed."""
     from ascend_mepic.eval.squad_metrics import exact_match, f1
 
+    check_raw(raw)
+    if full_raw is not None:
+        check_raw(full_raw)
     reqs = raw["per_request"]
-    lat = [r["finish_s"] - r["arrival_s"] for r in reqs]
-    ttft = [r["first_token_s"] - r["arrival_s"] for r in reqs if r["first_token_s"] is not None]
+    what = f"policy {raw['policy']}"
+    lat = [
+        positive(r["finish_s"] - r["arrival_s"], f"{what}: request {r['index']} latency (s)")
+        for r in reqs
+    ]
+    ttft = [
+        positive(
+            None if r["first_token_s"] is None else r["first_token_s"] - r["arrival_s"],
+            f"{what}: request {r['index']} TTFT (s)",
+        )
+        for r in reqs
+    ]
     out_tokens = sum(r["output_tokens"] for r in reqs)
     span = max(r["finish_s"] for r in reqs) - min(r["arrival_s"] for r in reqs)
+    throughput = positive(out_tokens / positive(span, f"{what}: run span (s)"), f"{what}: tok/s")
     pool = raw["pool_blocks"]
     used = [u for _, u in raw["kv_timeline"]] or [0]
     peak = max(used)
@@ -144,8 +169,8 @@ def summarize(raw: Mapping[str, Any], full_raw: Mapping[str, Any] | None = None)
         "latency_mean_s": statistics.mean(lat),
         "latency_p50_s": percentile(lat, 50),
         "latency_p99_s": percentile(lat, 99),
-        "ttft_mean_s": statistics.mean(ttft) if ttft else None,
-        "throughput_tok_s": out_tokens / span if span > 0 else None,
+        "ttft_mean_s": statistics.mean(ttft),
+        "throughput_tok_s": throughput,
         "peak_kv_usage": peak / pool if pool else None,
         "mean_kv_usage": statistics.mean(used) / pool if pool else None,
         "peak_kv_blocks": peak,
