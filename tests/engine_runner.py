@@ -7,8 +7,10 @@ Job: {"model", "mepic": bool, "policy": str|null, "dtype" (float32), "block_size
 "max_model_len", "batches":
 [[{"segments": [[kind, [ids...]], ...], "salt": str|null}, ...], ...], "max_tokens",
 "logprobs", "options" (MEPIC options), "reset_between_batches", "reset_before" (batch indices),
-"tensor_parallel_size"}.
-Each batch is one ``generate`` call, run in order on the same engine.
+"tensor_parallel_size", "refuse": [request, or {"raw": {"prompt_token_ids", "extra_args"}}]}.
+Each batch is one ``generate`` call, run in order on the same engine. The ``refuse`` requests go
+first, one ``generate`` call each, each expected to raise ``VLLMValidationError`` (its message,
+or None where it did not raise, is reported in ``refused``).
 """
 
 import json
@@ -39,6 +41,21 @@ def main() -> None:
     params = SamplingParams(
         temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=job.get("logprobs", 5)
     )
+    refused = []
+    for r in job.get("refuse", ()):
+        from vllm.exceptions import VLLMValidationError
+
+        try:
+            if "raw" in r:
+                raw = SamplingParams(max_tokens=4, extra_args=r["raw"]["extra_args"])
+                prompt = {"prompt_token_ids": r["raw"]["prompt_token_ids"]}
+                llm.generate([prompt], raw, use_tqdm=False)
+            else:
+                segs = [Segment(SegmentKind(k), tuple(ids)) for k, ids in r["segments"]]
+                generate_segments(llm, [segs], params)
+            refused.append(None)
+        except VLLMValidationError as e:
+            refused.append(str(e))
     results = []
     for index, batch in enumerate(job["batches"]):
         if (index and job.get("reset_between_batches")) or index in job.get("reset_before", ()):
@@ -64,7 +81,7 @@ def main() -> None:
         )
     from vllm.platforms import current_platform
 
-    info = {"platform": current_platform.device_type}
+    info = {"platform": current_platform.device_type, "refused": refused}
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process engine only
     if job["mepic"] and core is not None:
         manager = core.scheduler.kv_cache_manager

