@@ -92,3 +92,15 @@ def test_more_chunks_than_configured_are_refused_by_name():
     RequestLimits(policy, 128, 4096, max_chunks=5).check(layout, keys)
     with pytest.raises(MepicCapacityError, match="5 chunks; this engine serves at most 4 .*"):
         RequestLimits(policy, 128, 4096, max_chunks=4).check(layout, keys)
+
+
+def test_policies_that_ignore_segments_take_any_number_of_chunks():
+    """``full`` and ``prefix`` serve a segmented prompt as a plain one: no chunk limit."""
+    segments = [Segment.prompt([1])]
+    for i in range(100):
+        segments += [Segment.chunk([10 + i] * 3), Segment.prompt([3])]
+    for name in ("full", "prefix"):
+        policy = parse_policy(name)
+        layout = arrival_layout(segments, policy, 128)
+        keys = {s.segment: None for s in layout.chunk_spans}
+        RequestLimits(policy, 128, 4096, max_chunks=64).check(layout, keys)

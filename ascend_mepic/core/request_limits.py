@@ -121,6 +121,8 @@ class RequestLimits:
                 f"the prompt (length {n}) plus the number of requested output tokens (at least "
                 f"1) is longer than the maximum model length of {limit}"
             )
+        if self.policy.placement is Placement.NONE:
+            return  # segments ignored (``full``, ``prefix``): vLLM serves it as a plain prompt
         chunks = len(layout.chunk_spans)
         if chunks > self.max_chunks:
             raise MepicCapacityError(
