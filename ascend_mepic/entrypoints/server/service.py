@@ -112,7 +112,6 @@ class MepicService:
         self.config = config
         self.markers = Markers(config.chunk_begin, config.chunk_end)
         self.block_size: int = vllm_config.cache_config.block_size
-        self.max_model_len: int = vllm_config.model_config.max_model_len
         self.policy = config.parsed_policy
         self._vllm_config = vllm_config
         self.chat_template = load_chat_template(args.chat_template)
