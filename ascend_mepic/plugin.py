@@ -21,7 +21,7 @@ def register() -> None:
     """
     from vllm.platforms import current_platform
 
-    from ascend_mepic.vllm_integration.engine_config import install_config_hook, selection_for
+    from ascend_mepic.vllm_integration.platform_hook import install_config_hook, selection_for
 
     selection = selection_for(current_platform)
     if selection is not None:

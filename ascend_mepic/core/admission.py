@@ -33,8 +33,8 @@ from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.request import Request
 
 from ascend_mepic.core.chunk_cache import ChunkCache, ChunkEntry, ChunkState
+from ascend_mepic.core.counters import MepicCounters
 from ascend_mepic.core.identity import ChunkId
-from ascend_mepic.core.kv_accounting import MepicCounters
 from ascend_mepic.core.kv_settings import KVSettings
 from ascend_mepic.core.plan import (
     ChunkCompile,
@@ -226,7 +226,7 @@ class Admission:
             tuple(compiles),
             tuple(residency),
         )
-        self.counters.count_admission(st, residency, self.settings.policy)
+        self.counters.count_admission(st, residency)
         self.recent_chunk_blocks.append(
             (
                 request.request_id,
@@ -443,7 +443,7 @@ class Admission:
             (),
             tuple(residency),
         )
-        self.counters.count_admission(st, residency, self.settings.policy)
+        self.counters.count_admission(st, residency)
         self.recent_chunk_blocks.append(
             (
                 request.request_id,

@@ -20,8 +20,8 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
 
 from ascend_mepic.core.chunk_cache import ChunkCache, ChunkState
+from ascend_mepic.core.counters import MepicCounters
 from ascend_mepic.core.identity import ChunkId
-from ascend_mepic.core.kv_accounting import MepicCounters
 from ascend_mepic.core.kv_settings import KVSettings
 from ascend_mepic.core.plan import ChunkCompile, TierLoad
 from ascend_mepic.core.segments import Layout

@@ -1,4 +1,4 @@
-"""Accounting of the chunk-aware KV manager: counters, block categories and metrics.
+"""Accounting of the chunk-aware KV manager: block categories and metrics (read-only).
 
 "Used" blocks are those held by live requests and pinned chunks; reclaimable cache (vLLM's cached
 free blocks, idle chunks) is not used. ``block_categories`` puts every usable block in exactly one
@@ -7,16 +7,14 @@ category; ``metrics`` is what the scheduler publishes for the API server.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
 from ascend_mepic.core.chunk_cache import ChunkCache
+from ascend_mepic.core.counters import MepicCounters
 from ascend_mepic.core.kv_settings import KVSettings
-from ascend_mepic.core.plan import Residency
-from ascend_mepic.core.policies import Policy
 from ascend_mepic.core.request_intake import BlockRole, RequestState
 from ascend_mepic.core.segments import BlockKind
 from ascend_mepic.tier.index import recompute_share
@@ -28,32 +26,6 @@ from ascend_mepic.vllm_integration.kv_cache import (
 
 if TYPE_CHECKING:
     from ascend_mepic.core.chunk_transfers import HostStoreStaging, TierTransfers
-
-
-@dataclass
-class MepicCounters:
-    chunk_hits: int = 0
-    chunk_misses: int = 0
-    tokens_reused: int = 0
-    tokens_computed: int = 0
-    requests_admitted: int = 0
-    admissions_deferred: int = 0
-    blocks_loaded: int = 0
-    tier_loads_issued: int = 0
-    tier_loads: int = 0
-    tier_fallbacks: int = 0
-    tier_decided_load: int = 0
-    tier_decided_compute: int = 0
-    tier_puts_issued: int = 0
-
-    def count_admission(self, st: RequestState, residency: list[Residency], policy: Policy) -> None:
-        """An admitted request: its chunk hits and misses, tokens computed and reused."""
-        self.requests_admitted += 1
-        self.chunk_hits += sum(r in (Residency.RESIDENT, Residency.IN_FLIGHT) for r in residency)
-        self.chunk_misses += sum(r is Residency.COMPILE for r in residency)
-        assert st.plan is not None
-        self.tokens_computed += st.plan.num_compute_tokens
-        self.tokens_reused += st.plan.num_reused_tokens
 
 
 class KVAccounting:

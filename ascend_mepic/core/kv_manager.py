@@ -26,7 +26,7 @@ KVCacheCoordinator -> SingleTypeKVCacheManager -> BlockPool:
 * ``Admission`` (admission.py): whole-layout admission, growth, prefix-cache insertion, release;
 * ``HostStoreStaging`` / ``TierTransfers`` (chunk_transfers.py): host-store and tier transfers;
 * ``StepRoom`` (step_room.py): the step's compile room and its compiles;
-* ``KVAccounting`` / ``MepicCounters`` (kv_accounting.py): counters, block categories, metrics;
+* ``MepicCounters`` (counters.py), ``KVAccounting`` (kv_accounting.py): counts, metrics;
 * ``KVSettings`` (kv_settings.py): policy, dummy token, host store and tier, set by the scheduler.
 
 vLLM internals it touches are in ``ascend_mepic/vllm_integration/kv_cache.py``.
@@ -46,10 +46,11 @@ from vllm.v1.request import Request, RequestStatus
 from ascend_mepic.core.admission import Admission
 from ascend_mepic.core.chunk_cache import ChunkCache
 from ascend_mepic.core.chunk_transfers import HostStoreStaging, TierTransfers
+from ascend_mepic.core.counters import MepicCounters
 from ascend_mepic.core.errors import MepicCapacityError, MepicUnsupportedError
 from ascend_mepic.core.hit_lookup import HitLookup
 from ascend_mepic.core.identity import ChunkId
-from ascend_mepic.core.kv_accounting import KVAccounting, MepicCounters
+from ascend_mepic.core.kv_accounting import KVAccounting
 from ascend_mepic.core.kv_settings import KVSettings
 from ascend_mepic.core.plan import (
     ChunkCompile,

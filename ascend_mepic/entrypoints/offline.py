@@ -20,12 +20,7 @@ from vllm import SamplingParams
 
 from ascend_mepic.core.markers import segments_from_text
 from ascend_mepic.core.segments import EXTRA_ARGS_KEY, Segment
-
-SCHEDULER_CLS = "ascend_mepic.core.scheduler.MepicScheduler"
-CPU_WORKER_CLS = "ascend_mepic.worker.cpu_worker.MepicCPUWorker"
-GPU_WORKER_CLS = "ascend_mepic.worker.gpu_worker.MepicGPUWorker"
-NPU_WORKER_CLS = "ascend_mepic.worker.npu_worker.MepicNPUWorker"
-
+from ascend_mepic.vllm_integration.class_names import NPU_WORKER_CLS, SCHEDULER_CLS, worker_cls_for
 
 __all__ = [
     "Segment",
@@ -42,16 +37,7 @@ def worker_cls_for_platform() -> str:
     hardware)."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
-        return CPU_WORKER_CLS
-    if current_platform.is_cuda():
-        return GPU_WORKER_CLS
-    if current_platform.device_type == "npu":
-        return NPU_WORKER_CLS
-    raise ValueError(
-        f"MEPIC has no worker for platform {current_platform.device_type!r} (CPU, CUDA and "
-        "Ascend NPU through vllm-ascend are supported)"
-    )
+    return worker_cls_for(current_platform)
 
 
 def mepic_llm_kwargs(**options: Any) -> dict[str, Any]:

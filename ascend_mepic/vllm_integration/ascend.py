@@ -22,7 +22,7 @@ Five things vLLM's documented hooks do not reach on vllm-ascend:
   start MEPIC's worker and scheduler, but ``NPUPlatform.check_and_update_config`` replaces an
   ``auto`` worker with its own and is the only code that sees the final config before the
   workers start. MEPIC's general plugin wraps it on every platform
-  (``engine_config.install_config_hook``, with ``AscendSelection`` here): with a ``mepic`` entry
+  (``platform_hook.install_config_hook``, with ``AscendSelection`` here): with a ``mepic`` entry
   in ``additional_config``, an ``auto`` worker becomes MEPIC's and an unset scheduler MEPIC's; a
   vllm-ascend scheduler chosen by its own options is refused.
 * **Attention backend.** ``NPUPlatform.get_attn_backend_cls`` returns hard-coded class paths and
@@ -45,7 +45,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ascend_mepic.entrypoints.offline import NPU_WORKER_CLS
+from ascend_mepic.vllm_integration.class_names import NPU_WORKER_CLS
 from ascend_mepic.vllm_integration.engine_config import MEPIC_KEY, MepicSelection
 
 # vllm-ascend 0.30.0rc2's path for the standard attention backend (``NPUPlatform``'s backend map).
@@ -135,7 +135,7 @@ class AscendSelection(MepicSelection):
     """vllm-ascend's ``NPUPlatform``: MEPIC's key hidden from vllm-ascend's validation and eager
     mode, set before vllm-ascend's own check (which keeps a non-``auto`` worker, turns
     compilation off for eager mode and picks its scheduler classes from async scheduling).
-    Installed by ``engine_config.install_config_hook``; why: see the module docstring."""
+    Installed by ``platform_hook.install_config_hook``; why: see the module docstring."""
 
     worker_cls = NPU_WORKER_CLS
 

@@ -1,20 +1,11 @@
-"""Turning MEPIC on from the engine configuration alone, on every platform (vLLM 0.30.0).
+"""What a configuration with MEPIC on gets, per platform (vLLM 0.30.0).
 
 ``vllm serve MODEL --additional-config '{"mepic": {}}'`` (and ``LLM(..., additional_config=...)``)
 must start MEPIC's scheduler, worker, runner and attention backend, and must refuse at start-up
-what MEPIC cannot serve. The platform's ``check_and_update_config`` is the only code that sees the
-final configuration before any process starts: it is where ``worker_cls="auto"`` becomes the
-platform's own worker and after which vLLM's defaults (async scheduling, the V2 model runner,
-full CUDA graphs, the attention backend) are settled. So MEPIC's general plugin wraps that one
-classmethod of the current platform (``install_config_hook``); with no ``mepic`` entry in
-``additional_config`` the wrapper only calls the platform's own check. vLLM has no documented hook
-that runs on the final configuration. The same function wraps the platform's per-request hook,
-``validate_request``, so that vLLM's front end refuses a segmented request the engine could never
-serve, as it refuses an over-long prompt (``front_end`` says why; a request without
-``mepic_segments`` only gets the platform's own check). These two are this module's patches.
+what MEPIC cannot serve; ``platform_hook`` runs the selection around the platform's own check.
 
 What a configuration with MEPIC on gets differs per platform: one ``MepicSelection`` subclass per
-platform, chosen once (``selection_for``):
+platform:
 
 * every platform: MEPIC's worker for an ``auto`` worker (another worker must subclass it), MEPIC's
   scheduler, async scheduling off (the step plan must describe the step the worker runs next;
@@ -27,6 +18,8 @@ platform, chosen once (``selection_for``):
   dtype are checked against the backend's support for the GPU's compute capability), and
   piecewise CUDA graphs instead of full ones (MEPIC's per-step tables are not captured);
 * Ascend: ``vllm_integration.ascend.AscendSelection``.
+
+The platform's selection is chosen once, in ``platform_hook.selection_for``.
 """
 
 from __future__ import annotations
@@ -35,11 +28,12 @@ import logging
 import os
 from typing import Any
 
-from ascend_mepic.core.segments import EXTRA_ARGS_KEY
-from ascend_mepic.entrypoints.offline import (
+from ascend_mepic.vllm_integration.class_names import (
     CPU_WORKER_CLS,
+    CUDA_BACKEND_CLS,
     GPU_WORKER_CLS,
     SCHEDULER_CLS,
+    resolve,
 )
 
 logger = logging.getLogger(__name__)
@@ -60,13 +54,11 @@ def mepic_on(vllm_config: Any) -> bool:
 def _subclass_of(qualname: str, base_qualname: str) -> bool:
     """Whether the class at ``qualname`` subclasses the one at ``base_qualname`` (False when it
     cannot be imported: the platform's own check would fail on it anyway)."""
-    from vllm.utils.import_utils import resolve_obj_by_qualname
-
     try:
-        cls = resolve_obj_by_qualname(qualname)
+        cls = resolve(qualname)
     except (ImportError, AttributeError, ValueError):
         return False
-    return isinstance(cls, type) and issubclass(cls, resolve_obj_by_qualname(base_qualname))
+    return isinstance(cls, type) and issubclass(cls, resolve(base_qualname))
 
 
 class MepicSelection:
@@ -196,14 +188,13 @@ def check_backend_serves_model(vllm_config: Any) -> None:
     """Raise if MEPIC's CUDA backend cannot serve this model on this GPU (vLLM's own checks)."""
     from vllm.platforms import current_platform
 
-    from ascend_mepic.worker.cuda_attention import MepicCudaAttentionBackend
-
+    backend = resolve(CUDA_BACKEND_CLS)  # by name: the backend sits above this package
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     capability = current_platform.get_device_capability()
     if capability is None:
         raise MepicStartupError("MEPIC could not read the GPU's compute capability")
-    reasons = MepicCudaAttentionBackend.validate_configuration(
+    reasons = backend.validate_configuration(
         head_size=model.get_head_size(),
         dtype=model.dtype,
         kv_cache_dtype=cache.cache_dtype,
@@ -238,52 +229,3 @@ def use_piecewise_cuda_graphs(vllm_config: Any) -> None:
             mode.name,
         )
         compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
-
-
-def selection_for(platform: Any) -> MepicSelection | None:
-    """MEPIC's selection for vLLM's current platform, None where MEPIC has none."""
-    if platform.is_cpu():
-        return CpuSelection()
-    if platform.is_cuda():
-        return CudaSelection()
-    if platform.device_type == "npu":
-        from ascend_mepic.vllm_integration.ascend import AscendSelection
-
-        return AscendSelection()
-    return None
-
-
-def install_config_hook(platform_cls: type, selection: MepicSelection) -> None:
-    """Wrap ``platform_cls.check_and_update_config`` so configurations with MEPIC on get
-    ``selection``. Why: see the module docstring. Idempotent per platform class."""
-    current = platform_cls.check_and_update_config
-    if getattr(current, "mepic_selection", None) is not None:
-        return
-
-    def check_and_update_config(cls, vllm_config) -> None:
-        on = mepic_on(vllm_config)
-        if on:
-            selection.before_platform_check(vllm_config)
-        current(vllm_config)
-        if on:
-            selection.after_platform_check(vllm_config)
-            from ascend_mepic.config import MepicConfig
-            from ascend_mepic.vllm_integration import front_end
-
-            front_end.register(
-                vllm_config, MepicConfig.from_additional_config(vllm_config.additional_config)
-            )
-
-    check_and_update_config.mepic_selection = selection  # type: ignore[attr-defined]
-    platform_cls.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
-    validate = platform_cls.validate_request
-
-    def validate_request(cls, processed_inputs, params) -> None:
-        validate(processed_inputs, params)
-        extra = getattr(params, "extra_args", None)
-        if extra and EXTRA_ARGS_KEY in extra:
-            from ascend_mepic.vllm_integration import front_end
-
-            front_end.check_request(processed_inputs, params)
-
-    platform_cls.validate_request = classmethod(validate_request)  # type: ignore[method-assign]

@@ -129,7 +129,8 @@ def test_mepic_classes_subclass_vllm_ascends():
 
 
 def test_worker_class_for_this_platform_is_the_npu_worker():
-    from ascend_mepic.entrypoints.offline import NPU_WORKER_CLS, worker_cls_for_platform
+    from ascend_mepic.entrypoints.offline import worker_cls_for_platform
+    from ascend_mepic.vllm_integration.class_names import NPU_WORKER_CLS
 
     assert worker_cls_for_platform() == NPU_WORKER_CLS
     module, _, name = NPU_WORKER_CLS.rpartition(".")
@@ -139,8 +140,9 @@ def test_worker_class_for_this_platform_is_the_npu_worker():
 def test_mepic_entry_points_pick_the_npu_worker_in_eager_mode():
     from argparse import Namespace
 
-    from ascend_mepic.entrypoints.offline import NPU_WORKER_CLS, mepic_llm_kwargs
+    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs
     from ascend_mepic.entrypoints.server.launch import apply_mepic_defaults
+    from ascend_mepic.vllm_integration.class_names import NPU_WORKER_CLS
 
     kwargs = mepic_llm_kwargs(policy="mepic")
     assert kwargs["worker_cls"] == NPU_WORKER_CLS and kwargs["enforce_eager"]
@@ -160,7 +162,7 @@ def test_vllm_serve_with_a_mepic_config_selects_mepic(monkeypatch, vllm_config):
     from vllm_ascend.platform import NPUPlatform
 
     from ascend_mepic import plugin
-    from ascend_mepic.entrypoints.offline import NPU_WORKER_CLS, SCHEDULER_CLS
+    from ascend_mepic.vllm_integration.class_names import NPU_WORKER_CLS, SCHEDULER_CLS
 
     monkeypatch.setattr(NPUPlatform, "check_and_update_config", NPUPlatform.check_and_update_config)
     plugin.register()

@@ -28,7 +28,7 @@ def test_additional_config_mepic_key_starts_on_vllm_ascend(tiny_model):
     from vllm.config import CUDAGraphMode
     from vllm_ascend.ascend_config import init_ascend_config
 
-    from ascend_mepic.entrypoints.offline import NPU_WORKER_CLS, SCHEDULER_CLS
+    from ascend_mepic.vllm_integration.class_names import NPU_WORKER_CLS, SCHEDULER_CLS
 
     config = _engine_config(
         tiny_model, enable_prefix_caching=True, additional_config={"mepic": {"policy": "mepic"}}
@@ -72,8 +72,8 @@ def test_ascend_mepic_serve_arguments_start_on_vllm_ascend(tiny_model):
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from ascend_mepic.entrypoints.offline import NPU_WORKER_CLS, SCHEDULER_CLS
     from ascend_mepic.entrypoints.server.launch import apply_mepic_defaults
+    from ascend_mepic.vllm_integration.class_names import NPU_WORKER_CLS, SCHEDULER_CLS
 
     parser = make_arg_parser(FlexibleArgumentParser())
     args = parser.parse_args([tiny_model, "--dtype", "float32", "--max-model-len", "512"])

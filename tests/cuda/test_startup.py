@@ -16,7 +16,7 @@ import pickle
 import pytest
 import torch
 
-from ascend_mepic.entrypoints.offline import GPU_WORKER_CLS, SCHEDULER_CLS
+from ascend_mepic.vllm_integration.class_names import GPU_WORKER_CLS, SCHEDULER_CLS
 from tests.cuda.cuda_double import set_capability
 
 GENERATIONS = {"SM80": (8, 0), "SM90": (9, 0), "SM100": (10, 0)}

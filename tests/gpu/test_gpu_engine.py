@@ -203,7 +203,7 @@ def run_engine(job: dict[str, Any]) -> dict[str, Any]:
     else:
         assert result["enforce_eager"], f"{who}: asked for eager mode"
     if job["mepic"]:
-        from ascend_mepic.entrypoints.offline import GPU_WORKER_CLS
+        from ascend_mepic.vllm_integration.class_names import GPU_WORKER_CLS
 
         assert result["worker_cls"] == GPU_WORKER_CLS, (who, result["worker_cls"])
         assert result["runner"].startswith("Mepic"), (who, result["runner"])

@@ -168,8 +168,6 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def render(rows: Sequence[Mapping[str, Any]], header: str) -> str:
     """The table, the verdict lines and the notes: what the command prints."""
-    from ascend_mepic.eval.bench.main import KL_NOTE
-
     lines = [
         header,
         "",
@@ -194,7 +192,7 @@ def render(rows: Sequence[Mapping[str, Any]], header: str) -> str:
         f"{MAX_F1_DROP:.2f} vs full (point estimates; the 95% CIs, percentile bootstrap over the "
         "questions, paired for F1, say how far to trust them). F1: SQuAD token F1 of the "
         "answer's first line.",
-        KL_NOTE,
+        stats.KL_NOTE,
     ]
     return "\n".join(lines) + "\n"
 

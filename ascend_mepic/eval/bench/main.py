@@ -18,12 +18,6 @@ QUICK_COMPARE = ["full", "epic-16", "cacheblend-15", "mepic"]
 SWEEP_POLICIES = ["full", "mepic", "epic-16", "cacheblend-15"]
 QUICK_SWEEP_POLICIES = ["mepic", "cacheblend-15"]
 
-KL_NOTE = (
-    "Fidelity: top-1 agreement is the share of requests whose first generated token equals "
-    "full's. KL(full || policy) of the first token is approximated on full's top-20 support plus "
-    "one tail bucket (a full top-20 token outside the policy's top-20 gets min(policy's smallest "
-    "top-20 probability, remaining mass / missing count))."
-)
 KV_NOTE = (
     "KV usage = used blocks / pool blocks, sampled after every engine step. For MEPIC-manager "
     "policies, used = referenced blocks (idle cached chunk blocks are evictable and not counted); "
@@ -172,7 +166,7 @@ def _notes(args: argparse.Namespace) -> list[str]:
         "tokens / (last finish - first arrival). The engine step loop is driven in-process "
         "(VLLM_ENABLE_V1_MULTIPROCESSING=0), one subprocess per policy and sweep point.",
         "",
-        KL_NOTE,
+        stats.KL_NOTE,
         "",
         "Recomputed tokens: MEPIC-manager policies use the manager's tokens_computed (including "
         "chunk compiles) and tokens_reused; prefix/full use prompt tokens minus vLLM's "

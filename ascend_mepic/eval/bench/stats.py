@@ -13,6 +13,13 @@ from typing import Any
 
 from ascend_mepic.eval.outputs import check_records, positive
 
+KL_NOTE = (
+    "Fidelity: top-1 agreement is the share of requests whose first generated token equals "
+    "full's. KL(full || policy) of the first token is approximated on full's top-20 support plus "
+    "one tail bucket (a full top-20 token outside the policy's top-20 gets min(policy's smallest "
+    "top-20 probability, remaining mass / missing count))."
+)
+
 # Keys every per-policy JSON has (more are allowed).
 REQUIRED_KEYS = (
     "policy",
