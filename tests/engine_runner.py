@@ -1,35 +1,62 @@
-"""Run the real vLLM engine on a JSON job in a fresh process and print JSON results.
+"""Run the real vLLM engine on JSON jobs and print JSON results.
 
-Tests start one process per engine configuration, so vLLM's process-global state (registered
-backends, custom ops) never leaks between configurations.
+``engine_runner.py JOB`` runs one job and exits. ``engine_runner.py --serve`` is an engine host
+(``tests/engine_host.py``): it reads one job per line from stdin and answers each with one
+``RESULT`` line, so a test process pays torch's and vLLM's imports (most of an engine start on
+CPU) once, not once per job. Every job still gets a fresh ``LLM``, shut down after it, so a job
+never sees another job's cache; stock and MEPIC jobs use different hosts, so a stock engine never
+runs where MEPIC's backend and ops were registered.
 
 Job: {"model", "mepic": bool, "policy": str|null, "dtype" (float32), "block_size",
 "max_model_len", "batches":
 [[{"segments": [[kind, [ids...]], ...], "salt": str|null}, ...], ...], "max_tokens",
 "logprobs", "options" (MEPIC options), "reset_between_batches", "reset_before" (batch indices),
-"tensor_parallel_size", "refuse": [request, or {"raw": {"prompt_token_ids", "extra_args"}}]}.
+"tensor_parallel_size", "scheduler_cls" (a stock job's ``--scheduler-cls``),
+"refuse": [request, or {"raw": {"prompt_token_ids", "extra_args"}}]}.
 Each batch is one ``generate`` call, run in order on the same engine. The ``refuse`` requests go
 first, one ``generate`` call each, each expected to raise ``VLLMValidationError`` (its message,
 or None where it did not raise, is reported in ``refused``).
 """
 
+import gc
 import json
 import sys
+import traceback
 
 
-def main() -> None:
-    job = json.loads(sys.argv[1])
-    from vllm import LLM, SamplingParams
+def run_job(job: dict) -> dict:
+    """One job on a fresh engine, shut down before returning (also when the job fails)."""
+    from vllm import LLM
 
-    from ascend_mepic.core.segments import Segment, SegmentKind
-    from ascend_mepic.entrypoints.offline import generate_segments, mepic_llm_kwargs
+    llm = None
+    try:
+        llm = build_llm(job, LLM)
+        return serve_job(job, llm)
+    finally:
+        if llm is not None:
+            close(llm)
 
-    kwargs = {}
+
+def close(llm) -> None:
+    """Shut an in-process engine down and free its KV cache, as vLLM's own tests do between
+    engines in one process."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def build_llm(job: dict, LLM):
+    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs
+
+    kwargs = {"scheduler_cls": job["scheduler_cls"]} if job.get("scheduler_cls") else {}
     if job["mepic"]:
         options = {"policy": job["policy"]} if job.get("policy") else {}
         options.update(job.get("options", {}))
-        kwargs = mepic_llm_kwargs(**options)
-    llm = LLM(
+        kwargs.update(mepic_llm_kwargs(**options))
+    return LLM(
         model=job["model"],
         dtype=job.get("dtype", "float32"),
         max_model_len=job.get("max_model_len", 1024),
@@ -38,6 +65,14 @@ def main() -> None:
         tensor_parallel_size=job.get("tensor_parallel_size", 1),
         **{"enforce_eager": True, **kwargs},  # eager for stock too (MEPIC's NPU path is eager)
     )
+
+
+def serve_job(job: dict, llm) -> dict:
+    from vllm import SamplingParams
+
+    from ascend_mepic.core.segments import Segment, SegmentKind
+    from ascend_mepic.entrypoints.offline import generate_segments
+
     params = SamplingParams(
         temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=job.get("logprobs", 5)
     )
@@ -88,7 +123,27 @@ def main() -> None:
         if hasattr(manager, "metrics"):
             info.update(metrics=manager.metrics(), chunk_blocks=list(manager.recent_chunk_blocks))
         info["block_hasher"] = getattr(core.request_block_hasher, "__qualname__", None)
-    print("RESULT" + json.dumps({"batches": results, **info}))
+    return {"batches": results, **info}
+
+
+def serve() -> None:
+    """Answer jobs from stdin until it closes; a failed job answers its traceback and ends the
+    host (its engine may have left the process in any state)."""
+    for line in sys.stdin:
+        try:
+            answer = {"result": run_job(json.loads(line))}
+        except BaseException:
+            answer = {"error": traceback.format_exc()}
+        print("RESULT" + json.dumps(answer), flush=True)
+        if "error" in answer:
+            return
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        print("RESULT" + json.dumps(run_job(json.loads(sys.argv[1]))))
 
 
 if __name__ == "__main__":

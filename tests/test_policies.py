@@ -16,7 +16,7 @@ import torch
 from ascend_mepic.core.policies import Placement, parse_policy, top_fraction
 from ascend_mepic.core.segments import Segment
 from ascend_mepic.eval.prepare import prepare_tiny_llama
-from tests.test_serving_offline import encode, run_engine
+from tests.engine_host import encode, run_engine
 
 B = 32
 POLICIES = [

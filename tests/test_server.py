@@ -370,7 +370,7 @@ def test_tenants_with_different_salts_share_no_chunk_blocks(client):
 def test_completions_match_offline_engine(client, model):
     from transformers import AutoTokenizer
 
-    from tests.test_serving_offline import run_engine
+    from tests.engine_host import run_engine
 
     tok = AutoTokenizer.from_pretrained(model)
     text = f"Hello {BEGIN}{DOCS[0]} {DOCS[3]}{END} and {BEGIN}{DOCS[1]}{END} so, what?"

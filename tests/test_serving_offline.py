@@ -1,49 +1,19 @@
 """MEPIC inside the real vLLM engine (tiny random Llama, float32, greedy).
 
-Each engine configuration runs in its own process (tests/engine_runner.py).
+Each job runs on a fresh engine in an engine host (tests/engine_host.py).
 """
 
-import json
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from ascend_mepic.core.segments import Segment
 from ascend_mepic.eval.prepare import prepare_tiny_llama
+from tests.engine_host import encode, run_engine
 from tests.hf_oracle import MepicOracle, first_k, full_segments
 
 B = 32  # stock-vLLM comparisons; MEPIC runs at vllm-ascend's 128 and at 16
-RUNNER = Path(__file__).with_name("engine_runner.py")
-
-
-def run_engine(job: dict, **env_overrides: str) -> dict:
-    env = dict(
-        os.environ,
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        PYTHONPATH=str(RUNNER.parent.parent),
-    )
-    env.update(env_overrides)
-    proc = subprocess.run(
-        [sys.executable, str(RUNNER), json.dumps(job)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    return json.loads(line[len("RESULT") :])
-
-
-def encode(segments):
-    return {"segments": [[s.kind.value, list(s.token_ids)] for s in segments]}
 
 
 @pytest.fixture(scope="module")

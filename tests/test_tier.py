@@ -20,7 +20,7 @@ import pytest
 
 from ascend_mepic.core.segments import Segment
 from ascend_mepic.eval.prepare import prepare_tiny_llama
-from tests.test_serving_offline import encode, run_engine
+from tests.engine_host import encode, run_engine
 
 
 @pytest.fixture(scope="module")

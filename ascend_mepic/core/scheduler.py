@@ -126,6 +126,12 @@ class MepicScheduler(Scheduler):
             manager.room.max_compile_seqs,
         )
 
+    def shutdown(self) -> None:
+        super().shutdown()
+        from ascend_mepic.vllm_integration import front_end
+
+        front_end.unregister(self.vllm_config)  # in-process engines: the front end's config
+
     @property
     def mepic_manager(self) -> MepicKVCacheManager | None:
         m = self.kv_cache_manager

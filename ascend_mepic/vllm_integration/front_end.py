@@ -36,6 +36,13 @@ def register(vllm_config: Any, config: MepicConfig) -> None:
     _ENGINES[key] = (weakref.ref(vllm_config, lambda _: _ENGINES.pop(key, None)), config)
 
 
+def unregister(vllm_config: Any) -> None:
+    """The engine of ``vllm_config`` shut down (its scheduler says so): stop checking against it.
+    Its configuration may outlive it in process globals, and a dead engine's wider limits must
+    not let through what the live engines refuse."""
+    _ENGINES.pop(id(vllm_config), None)
+
+
 def live_limits() -> list[RequestLimits]:
     """The request limits of this process's live MEPIC engines."""
     found = []

@@ -1,0 +1,115 @@
+"""Engine hosts: long-lived ``tests/engine_runner.py --serve`` processes that run engine jobs.
+
+An engine start on CPU is mostly torch's and vLLM's imports; a host pays them once per test
+process (each pytest-xdist worker has its own hosts) and then builds a fresh ``LLM`` per job.
+Hosts are keyed by whether the job turns MEPIC on and by the environment the job needs, so a
+stock engine never runs in a process where MEPIC registered its backend and ops, and a job that
+needs other environment variables gets a process started with them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import selectors
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RUNNER = Path(__file__).with_name("engine_runner.py")
+BASE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+JOB_TIMEOUT_S = 600
+
+
+class EngineJobError(AssertionError):
+    """A job failed in its host: the message carries the host's traceback and log tail."""
+
+
+class EngineHost:
+    """One ``engine_runner.py --serve`` process; ``run`` sends a job and waits for its answer."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.log = tempfile.NamedTemporaryFile(prefix="engine-host-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(RUNNER), "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,  # a file: vLLM logs a lot, and a full pipe would block the host
+            text=True,
+            env=env,
+        )
+        self.jobs = 0
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, job: dict, timeout: float = JOB_TIMEOUT_S) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        self.jobs += 1
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while True:
+                if not sel.select(max(0.0, deadline - time.monotonic())):
+                    self.close()
+                    raise EngineJobError(f"engine job timed out after {timeout} s\n{self.tail()}")
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise EngineJobError(f"engine host exited ({self.proc.wait()})\n{self.tail()}")
+                if line.startswith("RESULT"):
+                    answer = json.loads(line[len("RESULT") :])
+                    break
+        if "error" in answer:
+            self.close()
+            raise EngineJobError(f"{answer['error']}\n{self.tail()}")
+        return answer["result"]
+
+    def tail(self, chars: int = 4000) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-chars:]
+
+    def close(self) -> None:
+        if self.alive():
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def encode(segments) -> dict:
+    """A request of a job: its segments as ``[kind, token ids]`` pairs."""
+    return {"segments": [[s.kind.value, list(s.token_ids)] for s in segments]}
+
+
+_HOSTS: dict[tuple, EngineHost] = {}
+
+
+def run_engine(job: dict, **env_overrides: str) -> dict:
+    """Run ``job`` (see ``engine_runner.py``) on a fresh engine in this process's host for its
+    kind and environment; the host is started on first use and kept until the process exits."""
+    key = (bool(job["mepic"]), tuple(sorted(env_overrides.items())))
+    host = _HOSTS.get(key)
+    if host is None or not host.alive():
+        env = dict(os.environ, **BASE_ENV, PYTHONPATH=str(RUNNER.parent.parent))
+        env.update(env_overrides)
+        host = _HOSTS[key] = EngineHost(env)
+    return host.run(job)
+
+
+@atexit.register
+def close_all() -> None:
+    while _HOSTS:
+        _HOSTS.popitem()[1].close()
