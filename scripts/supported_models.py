@@ -1,7 +1,8 @@
 """Print the README's "Supported models" tables from what the tests check (never by hand).
 
-The supported table comes from ``tests/test_real_geometry.py``'s ``SUPPORT_MATRIX`` (the tests
-are parametrized from it, so a row is exactly what runs in ``make test``); the refused table
+The supported table comes from ``ascend_mepic/eval/support_matrix.py``'s ``SUPPORT_MATRIX``
+(``tests/test_real_geometry.py`` is parametrized from it, so a row is exactly what runs in
+``make test``); the refused table
 from ``ascend_mepic/core/models.py``'s ``UNSUPPORTED_KINDS`` and ``REFUSAL_EXAMPLES`` (which
 ``tests/test_unsupported_models.py`` builds and checks). ``tests/test_docs.py`` fails when the
 README's section differs from this output; ``--write`` replaces the section in README.md.
@@ -26,29 +27,11 @@ def _cell(value: object) -> str:
     return str(value).replace("|", "\\|")
 
 
-def _geometry(spec) -> str:
-    """The published attention geometry the reduced model keeps."""
-    pub = spec.published
-    heads, kv = pub["num_attention_heads"], pub["num_key_value_heads"]
-    head = pub.get("head_dim") or pub["hidden_size"] // heads
-    parts = [f"{heads}/{kv} heads (GQA {heads // kv})", f"head {head}"]
-    parts.append(f"RoPE θ {pub['rope_theta']:,.0f}")
-    scaling = pub.get("rope_scaling") or {}
-    if scaling:
-        parts.append(f"{scaling.get('rope_type')} scaling ×{scaling.get('factor'):g}")
-    if spec.model_type == "qwen2":
-        parts.append("QKV bias")
-    if spec.model_type == "qwen3":
-        parts.append("q/k RMSNorm before RoPE")
-    return ", ".join(parts)
-
-
 def render() -> str:
     """The section between ``BEGIN`` and ``END`` (both excluded)."""
     sys.path.insert(0, str(REPO))
     from ascend_mepic.core.models import REFUSAL_EXAMPLES, UNSUPPORTED_KINDS
-    from ascend_mepic.eval.prepare import REDUCED_ARCHITECTURES
-    from tests.test_real_geometry import SUPPORT_MATRIX
+    from ascend_mepic.eval.support_matrix import SUPPORT_MATRIX
 
     lines = [
         "Checked in `make test` at each architecture's published attention geometry (a reduced",
@@ -59,9 +42,8 @@ def render() -> str:
         "| --- | --- | --- | --- | --- |",
     ]
     for model, entry in SUPPORT_MATRIX.items():
-        geometry = _geometry(REDUCED_ARCHITECTURES[model])
         lines.append(
-            f"| {_cell(entry['architecture'])} | {model} | {geometry} | "
+            f"| {_cell(entry['architecture'])} | {model} | {entry['geometry']} | "
             f"{_cell(entry['checks'])} | {_cell(entry['block_sizes'])} |"
         )
     lines += [

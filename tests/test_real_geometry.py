@@ -1,10 +1,10 @@
 """The four architectures users serve, at their real attention geometry, in the real vLLM engine.
 
-Each model of ``SUPPORT_MATRIX`` is the reduced copy of a published model
-(``ascend_mepic.eval.prepare.REDUCED_ARCHITECTURES``: head size 128, the GQA ratio, RoPE base and
-scaling, norms and biases as published; 2 layers, a narrow width, the 512-token tiny tokenizer),
-float32, greedy, 4 output tokens with 5 log-probabilities each. At each block size of its entry
-every check named in its ``checks`` runs:
+Each model of ``ascend_mepic.eval.support_matrix.SUPPORT_MATRIX`` is the reduced copy of a
+published model (``ascend_mepic.eval.prepare.REDUCED_ARCHITECTURES``: head size 128, the GQA
+ratio, RoPE base and scaling, norms and biases as published; 2 layers, a narrow width, the
+512-token tiny tokenizer), float32, greedy, 4 output tokens with 5 log-probabilities each. At
+each block size of its entry every check named in its ``checks`` runs:
 
 * ``full-equals-stock``: policy ``full`` through MEPIC (segmented requests) gives stock vLLM's
   tokens, and its log-probabilities within ``FULL_TOL``. Stock vLLM runs at block 128 for both
@@ -49,54 +49,8 @@ import torch
 
 from ascend_mepic.core.segments import Segment, SegmentKind
 from ascend_mepic.eval.prepare import REDUCED_ARCHITECTURES, prepare_reduced
+from ascend_mepic.eval.support_matrix import STOCK_BLOCK_SIZE, SUPPORT_MATRIX
 
-BLOCK_SIZES = [16, 128]
-STOCK_BLOCK_SIZE = 128
-CHECKS: dict[str, str] = {
-    "full-equals-stock": "policy full gives stock vLLM's greedy tokens and log-probabilities",
-    "cache-state-independence": (
-        "full, mepic and epic-16 give the same outputs cold, warm, and with chunks shared at "
-        "other positions"
-    ),
-    "mepic-matches-reference": "mepic matches the transformers reference of its semantics",
-    "epic-16-matches-reference": "epic-16 matches the transformers reference of its semantics",
-}
-
-
-def _geometry(spec: Any) -> str:
-    """The published attention geometry the reduced model keeps, in words."""
-    p = spec.published
-    heads, kv = p["num_attention_heads"], p["num_key_value_heads"]
-    head = p.get("head_dim") or p["hidden_size"] // heads
-    parts = [
-        f"head {head}, {heads}/{kv} heads (GQA {heads // kv}:1), RoPE theta {p['rope_theta']:.0f}"
-    ]
-    scaling = p.get("rope_scaling")
-    if scaling:
-        parts.append(
-            f"{scaling['rope_type']} scaling (factor {scaling['factor']:g}, original "
-            f"{scaling['original_max_position_embeddings']})"
-        )
-    if spec.model_type == "qwen2":
-        parts.append("QKV bias")
-    if spec.model_type == "qwen3":
-        parts.append("per-head q/k RMSNorm before RoPE")
-    return ", ".join(parts)
-
-
-# Published model -> what ran: every check at every block size. The README's supported-models
-# table is generated from this (scripts/supported_models.py); the tests below are parametrized
-# from it.
-SUPPORT_MATRIX: dict[str, dict[str, Any]] = {
-    model_id: {
-        "model": model_id,
-        "architecture": spec.architecture,
-        "geometry": _geometry(spec),
-        "block_sizes": list(BLOCK_SIZES),
-        "checks": list(CHECKS),
-    }
-    for model_id, spec in REDUCED_ARCHITECTURES.items()
-}
 CACHE_POLICIES = ("full", "mepic", "epic-16")
 REFERENCE_POLICIES = {"mepic-matches-reference": "mepic", "epic-16-matches-reference": "epic-16"}
 FULL_TOL = 1e-5  # |logprob| stock vs full: the same float32 model, other attention kernels
