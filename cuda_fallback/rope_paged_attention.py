@@ -41,6 +41,10 @@ inputs use their own dtype for the dots (rotated Q/K are rounded back to it, as 
 reference does) with fp32 accumulation. ``half_dots=True`` runs that GPU path under the
 interpreter too (tests only: ``tests/ops/test_triton_half.py``, bf16 through a test-side patch).
 
+The pieces this kernel shares with the triton-ascend kernel (``ascend_mepic.ops.triton_ascend``):
+the rotation, the half-tile scores, the online-softmax step, the split-KV combine kernel and the
+input checks, are written once in ``ascend_mepic.ops.triton_common``.
+
 Status: tested on CPU under ``TRITON_INTERPRET=1`` (``tests/ops/test_triton.py``; the half dots:
 ``tests/ops/test_triton_half.py``) and on one H100 (``tests/gpu/test_gpu_kernels.py``; timings
 by ``benchmarks/ops/bench_triton_gpu.py``, docs/results.md). Not run inside vLLM on a GPU.
@@ -48,8 +52,6 @@ by ``benchmarks/ops/bench_triton_gpu.py``, docs/results.md). Not run inside vLLM
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -58,20 +60,22 @@ import triton.language as tl
 
 from ascend_mepic.ops.metadata import PagedRopeMetadata
 from ascend_mepic.ops.rope import RopeSpec
-
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-LOG2E = math.log2(math.e)
-
-
-def _interpreting() -> bool:
-    """Whether ``triton.jit`` made interpreted kernels when this module was imported."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-INTERPRETED = _interpreting()
+from ascend_mepic.ops.triton_common import (
+    INTERPRETED,
+    LOG2E,
+    check_layout,
+    check_tensors,
+    combine_kernel,
+    half_scores,
+    int32,
+    launch_strides,
+    log2_sum_exp,
+    normalize,
+    pow2_at_least,
+    rotate,
+    softmax_step,
+    split_buffers,
+)
 
 
 @triton.jit
@@ -101,8 +105,7 @@ def _load_halves(
         cs = cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs + c[None, :]
         cos = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(cs + HALF, mask=mask, other=0.0).to(tl.float32)
-        r1 = x1 * cos - x2 * sin
-        r2 = x2 * cos + x1 * sin
+        r1, r2 = rotate(x1, x2, cos, sin)
         return r1, r2
     return x1, x2
 
@@ -171,20 +174,9 @@ def _attend_kv(
                 k_rows, first + slot - v_start, real, cos_sin_ptr, stride_cs,
                 HALF, HALF_P, IS_NEOX, APPLY_ROPE,
             )  # fmt: skip
-            if DOT_FP32:
-                s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-                s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
-            else:
-                s = tl.dot(q1, tl.trans(k1.to(q1.dtype)))
-                s += tl.dot(q2, tl.trans(k2.to(q2.dtype)))
+            s = half_scores(q1, q2, k1, k2, DOT_FP32)
             allowed = real[None, :] & (idx[None, :] <= q_idx[:, None])
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row that has seen no allowed key yet keeps m = -inf; subtract 0 instead (no NaN).
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = softmax_step(s, allowed, m_i, l_i)
             # Pad slots may hold anything (uninitialised blocks): never load them, 0 * NaN is NaN.
             v_rows = v_ptr + blk * stride_vb + slot.to(tl.int64) * stride_vs + v_off
             v_mask = real[:, None] & (d < D)[None, :]
@@ -272,7 +264,7 @@ def _prefill_kernel(
         block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
         cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
     )  # fmt: skip
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = normalize(acc, l_i)
     d = tl.arange(0, D_P)
     o_rows = out_ptr + rows.to(tl.int64) * stride_ot + head * stride_oh
     tl.store(
@@ -365,7 +357,7 @@ def _decode_kernel(
         block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
         cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
     )  # fmt: skip
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = normalize(acc, l_i)
     d = tl.arange(0, D_P)
     mask = row_mask[:, None] & (d < D)[None, :]
     if NUM_SPLITS == 1:
@@ -375,36 +367,7 @@ def _decode_kernel(
         # Partials [T, Hq, NUM_SPLITS, D] and their log2-sum-exp [T, Hq, NUM_SPLITS] (fp32).
         slot = (row.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
         tl.store(part_ptr + slot[:, None] * D + d[None, :], out, mask=mask)
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-        tl.store(lse_ptr + slot, lse, mask=row_mask)
-
-
-@triton.jit
-def _combine_kernel(
-    part_ptr,
-    lse_ptr,
-    out_ptr,
-    stride_ot,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    D: tl.constexpr,
-    D_P: tl.constexpr,
-):
-    """Merge the splits of one (query, head) by their log-sum-exp."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    base = (row.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
-    p = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, D_P)
-    lse = tl.load(lse_ptr + base + p)
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    part = tl.load(part_ptr + (base + p)[:, None] * D + d[None, :], mask=(d < D)[None, :], other=0)
-    total = tl.sum(w, 0)
-    out = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    o = out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + d
-    tl.store(o, out.to(out_ptr.dtype.element_ty), mask=d < D)
+        tl.store(lse_ptr + slot, log2_sum_exp(m_i, l_i), mask=row_mask)
 
 
 @dataclass(frozen=True)
@@ -432,14 +395,6 @@ def launch_config(decode: bool, block_size: int, max_query_len: int) -> Launch:
     if block_size >= 64 and max_query_len >= 1024:
         return Launch(128, 32, 4, 2)
     return Launch(64, 64, 4, 2)
-
-
-def _pow2_at_least(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(n))
-
-
-def _int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.to(device=device, dtype=torch.int32).contiguous()
 
 
 def prefill_tiles(
@@ -478,11 +433,7 @@ def _num_splits(device: torch.device, programs: int, kv_tiles: int) -> int:
 def _validate(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: PagedRopeMetadata, rope: RopeSpec
 ) -> None:
-    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            f"expected query [T, Hq, D] and kv_cache [2, num_blocks, B, Hkv, D], got "
-            f"{tuple(query.shape)} and {tuple(kv_cache.shape)}"
-        )
+    check_layout(query, kv_cache)
     _, _, bs, hkv, d = kv_cache.shape
     if query.shape[2] != d or rope.cos_sin_cache.shape[-1] != d:
         raise ValueError(
@@ -495,15 +446,7 @@ def _validate(
         raise ValueError(f"query heads {query.shape[1]} must be a multiple of KV heads {hkv}")
     if bs != meta.block_size:
         raise ValueError(f"block size differs: cache {bs}, metadata {meta.block_size}")
-    for name, t in (("query", query), ("kv_cache", kv_cache)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} dtype {t.dtype} not supported; use fp32, fp16 or bf16")
-    if meta.query_positions.numel() != query.shape[0]:
-        raise ValueError(
-            f"metadata has {meta.query_positions.numel()} queries, query has {query.shape[0]}"
-        )
-    if kv_cache.device != query.device:
-        raise ValueError(f"query on {query.device}, kv_cache on {kv_cache.device}")
+    check_tensors(query, kv_cache, meta)
     if query.device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(
             f"Triton kernels need CUDA tensors (got {query.device}); set TRITON_INTERPRET=1 "
@@ -554,14 +497,14 @@ def rope_paged_attention_triton(
         kv_cache = kv_cache.contiguous()  # never for a real cache: vLLM's is contiguous
     k, v = kv_cache[0], kv_cache[1]
     cos_sin = rope.cos_sin_cache.to(device).contiguous()
-    loc = _int32(meta.query_start_loc, device)
-    q_pos = _int32(meta.query_positions, device)
-    q_idx = _int32(meta.query_indices, device)
-    tables = _int32(meta.block_tables, device)
-    nblocks = _int32(meta.num_blocks, device)
-    first = _int32(meta.block_first_pos, device)
-    vstart = _int32(meta.block_valid_start, device)
-    vend = _int32(meta.block_valid_end, device)
+    loc = int32(meta.query_start_loc, device)
+    q_pos = int32(meta.query_positions, device)
+    q_idx = int32(meta.query_indices, device)
+    tables = int32(meta.block_tables, device)
+    nblocks = int32(meta.num_blocks, device)
+    first = int32(meta.block_first_pos, device)
+    vstart = int32(meta.block_valid_start, device)
+    vend = int32(meta.block_valid_end, device)
     if not (tables.shape == first.shape == vstart.shape == vend.shape):
         raise ValueError("block_tables and the per-block metadata must have one shape")
 
@@ -578,28 +521,15 @@ def rope_paged_attention_triton(
         B=bs,
         BLOCK_N=block_n,
         HALF=half,
-        HALF_P=_pow2_at_least(half),
+        HALF_P=pow2_at_least(half, 16),
         D=d,
-        D_P=_pow2_at_least(d),
+        D_P=pow2_at_least(d, 16),
         IS_NEOX=bool(rope.is_neox_style),
         APPLY_ROPE=bool(apply_rope),
         DOT_FP32=torch.float32 in (query.dtype, kv_cache.dtype)
         or (INTERPRETED if half_dots is None else not half_dots),
     )
-    strides = (
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
-        tables.stride(0),
-        cos_sin.stride(0),
-    )
+    strides = launch_strides(query, out, k, v, tables, cos_sin)
     qk_scale = float(scale) * LOG2E
     group = hq // hkv
     metas = (loc, q_pos, q_idx, tables, nblocks, first, vstart, vend)
@@ -614,18 +544,15 @@ def rope_paged_attention_triton(
         )
         if splits & (splits - 1):
             raise ValueError(f"num_splits {splits} must be a power of two")
-        part = lse = out  # unused placeholders when there is a single split
-        if splits > 1:
-            part = torch.empty(t, hq, splits, d, device=device, dtype=torch.float32)
-            lse = torch.full((t, hq, splits), float("-inf"), device=device, dtype=torch.float32)
+        part, lse = split_buffers(out, splits)
         _decode_kernel[(meta.num_seqs, hkv, splits)](
             query, out, part, lse, k, v, cos_sin, *metas, *strides, qk_scale,
-            GROUP=group, BLOCK_G=_pow2_at_least(group), NUM_SPLITS=splits, **common,
+            GROUP=group, BLOCK_G=pow2_at_least(group, 16), NUM_SPLITS=splits, **common,
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         if splits > 1:
-            _combine_kernel[(t, hq)](
-                part, lse, out, out.stride(0), out.stride(1),
+            combine_kernel[(t * hq,)](  # one program per (query, head)
+                part, lse, out, t, out.stride(0), out.stride(1),
                 NUM_HEADS=hq, NUM_SPLITS=splits, D=d, D_P=common["D_P"], num_warps=4,
             )  # fmt: skip
         return out
@@ -637,7 +564,7 @@ def rope_paged_attention_triton(
         tiles = meta.memo.get(key)
         if tiles is None:
             tiles = meta.memo[key] = prefill_tiles(meta.query_start_loc, block_m, device)
-    tile_seq, tile_row = (_int32(x, device) for x in tiles)
+    tile_seq, tile_row = (int32(x, device) for x in tiles)
     _prefill_kernel[(tile_seq.numel(), hq)](
         query, out, k, v, cos_sin, tile_seq, tile_row, *metas, *strides, qk_scale,
         GROUP=group, BLOCK_M=block_m, **common, num_warps=num_warps, num_stages=num_stages,

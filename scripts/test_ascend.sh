@@ -4,15 +4,16 @@
 # platform, so it cannot share .venv) and triton-ascend as the `triton` package (upstream triton,
 # which vLLM's xgrammar asks for, is kept out: both install into `triton`). Runs tests/ascend
 # (vllm-ascend's platform, worker and attention backend with torch_npu stubbed by
-# tests/ascend/conftest.py), the cuda_fallback Triton kernels under triton-ascend's CPU
-# interpreter (tests/ops/test_triton_ascend.py, test_ascend_kernel.py) and the triton-ascend
-# kernel through triton-ascend's ttir and ttadapter compiler stages (tests/ops/test_ascend_compile.py).
+# tests/ascend/conftest.py), the Triton kernels (cuda_fallback's CUDA kernel and
+# ascend_mepic/ops/triton_ascend.py) under triton-ascend's CPU interpreter
+# (tests/ops/test_triton_ascend.py, test_ascend_kernel.py) and the triton-ascend kernel through
+# triton-ascend's ttir and ttadapter compiler stages (tests/ops/test_ascend_compile.py).
 # The environment is installed from requirements/ascend.lock (exact versions and hashes, resolved
 # by uv from vllm-ascend 0.30.0rc2's own requirements; requirements/README.md lists where they
 # differ and why), made on first use or when the lock or this recipe changes, and reused after.
 # Usage: scripts/test_ascend.sh [--prepare | --lock [uv pip compile args] | extra pytest args]
-#   --prepare: only make (or check) the environment; `make test` runs this beside the main suite,
-#   since making it is mostly downloading and unpacking.
+#   --prepare: only make (or check) the environment; `make test` runs it, then the tests, beside
+#   the main suite.
 #   --lock: re-resolve requirements/ascend.lock from requirements/ascend.in (at the newest versions
 #   allowed; `--lock --no-upgrade` keeps the current pins where still allowed), then review its diff.
 set -euo pipefail

@@ -3,7 +3,7 @@
 UNTESTED ON HARDWARE: this path has never run on an Ascend 910B; it is checked only against a torch
 test double of the documented torch_npu semantics (``tests/ops/npu_double.py``). On the NPU it is
 the default for head sizes FIA's TND paged mode takes (64 and 128) in float16/bfloat16; the
-triton-ascend kernel (``cuda_fallback/rope_paged_attention_ascend.py``) takes the rest
+triton-ascend kernel (``ascend_mepic/ops/triton_ascend.py``) takes the rest
 (``ops.npu_default``); ``ASCEND_MEPIC_ATTN_IMPL=npu`` forces this one.
 
 No torch_npu op rotates paged K by position, and FIA's paged mode cannot skip MEPIC's pad slots or

@@ -9,11 +9,14 @@ to an NPU binary, is not run (``tests/ops/ascend_compile.CANN_ONLY_CHECKS`` list
 still reject). Numerics are checked under triton-ascend's and upstream Triton's CPU interpreters
 (``tests/ops/test_ascend_kernel.py``) against the dense float64 oracle.
 
-Same contract as ``cuda_fallback.rope_paged_attention`` (``ascend_mepic.ops.metadata``): K and V
-un-rotated in ``[2, num_blocks, B, Hkv, D]`` (vllm-ascend's ``(2, num_blocks, 128, kv_heads,
-head)``), scattered un-rotated queries, per-entry valid ranges and positions. What differs from
-the GPU kernel, and why (triton-ascend's migration and performance guides, and the forms
-vllm-ascend 0.30.0rc2's own Triton kernels use, ``vllm_ascend/ops/triton/``):
+Same contract as the CUDA kernel ``cuda_fallback.rope_paged_attention``
+(``ascend_mepic.ops.metadata``): K and V un-rotated in ``[2, num_blocks, B, Hkv, D]``
+(vllm-ascend's ``(2, num_blocks, 128, kv_heads, head)``), scattered un-rotated queries, per-entry
+valid ranges and positions. The arithmetic both kernels share (rotation, scores, online softmax,
+the split-KV combine kernel) and their common input checks are written once, in
+``ascend_mepic.ops.triton_common``. What differs from the GPU kernel, and why (triton-ascend's
+migration and performance guides, and the forms vllm-ascend 0.30.0rc2's own Triton kernels use,
+``vllm_ascend/ops/triton/``):
 
 * **Persistent grid.** Programs are bound to AI cores and a grid larger than the core count runs
   in batches, so the grid is the core count (``num_cores``) and each program loops over work items
@@ -63,7 +66,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,12 +76,25 @@ import triton.language as tl
 
 from ascend_mepic.ops.metadata import PagedRopeMetadata
 from ascend_mepic.ops.rope import RopeSpec
-from cuda_fallback.rope_paged_attention import INTERPRETED
+from ascend_mepic.ops.triton_common import (
+    INTERPRETED,
+    LOG2E,
+    check_layout,
+    check_tensors,
+    combine_kernel,
+    half_scores,
+    int32,
+    launch_strides,
+    log2_sum_exp,
+    normalize,
+    pow2_at_least,
+    rotate,
+    softmax_step,
+    split_buffers,
+)
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-LOG2E = math.log2(math.e)
 # Programs launched under the interpreter: fewer than the work items, so the persistent loop runs.
 INTERPRETER_CORES = 3
 # 910B3's AI-core count (triton-ascend's tutorials assume 20); used when the driver cannot say.
@@ -105,10 +120,6 @@ ROW_CHOICES = (32, 16)
 BLOCK_N_CHOICES = (64, 32, 16)
 
 
-def _pow2_at_least(n: int, floor: int = 1) -> int:
-    return max(floor, triton.next_power_of_2(n))
-
-
 def ub_tiles(
     rows: int,
     block_n: int,
@@ -125,8 +136,8 @@ def ub_tiles(
     the compiler materialises such temporaries). The prologue (Q rotation) is smaller and is not
     listed. ``rows`` = ``BLOCK_Q * GROUP_P``; sizes use the padded ``HALF_P``/``D_P``.
     """
-    half_p = _pow2_at_least(head // 2, 16)
-    d_p = _pow2_at_least(head, 16)
+    half_p = pow2_at_least(head // 2, 16)
+    d_p = pow2_at_least(head, 16)
     dot = 4 if dot_fp32 else q_bytes
     k_half = block_n * half_p  # elements of one K half sub-tile
 
@@ -185,11 +196,11 @@ def choose_tiles(
     """``(block_q, block_n)`` the launcher uses: the most rows, then the widest sub-tile, whose
     ``ub_bytes`` fits ``UB_BUDGET`` (smallest tiles if nothing does). Decode has one query:
     ``block_q`` is 1 and its rows are the group padded to 16."""
-    group_p = _pow2_at_least(group)
+    group_p = pow2_at_least(group, 1)
     fp32 = torch.float32 in (q_dtype, kv_dtype) if dot_fp32 is None else dot_fp32
     sizes = (_bytes(q_dtype), _bytes(kv_dtype), _bytes(cos_sin_dtype), fp32)
     if decode:
-        row_choices = (_pow2_at_least(group, 16),)
+        row_choices = (pow2_at_least(group, 16),)
     else:
         row_choices = tuple(r for r in ROW_CHOICES if r >= group_p) or (group_p,)
     widths = [n for n in BLOCK_N_CHOICES if n <= block_size and block_size % n == 0] or [16]
@@ -377,30 +388,17 @@ def _attend_entry(
             sin = _load_tile(
                 cs_tile + HALF, rows_left, 0, stride_cs, HALF, BLOCK_N, HALF_P, BLOCK_PTR
             )
-            cos = cos.to(tl.float32)
-            sin = sin.to(tl.float32)
-            k1 = x1 * cos - x2 * sin
-            k2 = x2 * cos + x1 * sin
+            k1, k2 = rotate(x1, x2, cos.to(tl.float32), sin.to(tl.float32))
             if not DOT_FP32:
                 k1 = k1.to(q1.dtype)
                 k2 = k2.to(q2.dtype)
             if SCRATCH == 1:
                 _store_tile(s_tile, k1, rows_left, 0, D, HALF, BLOCK_N, HALF_P, BLOCK_PTR)
                 _store_tile(s_tile + HALF, k2, rows_left, 0, D, HALF, BLOCK_N, HALF_P, BLOCK_PTR)
-        if DOT_FP32:
-            s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-            s += tl.dot(q2, tl.trans(k2), input_precision="ieee")
-        else:
-            s = tl.dot(q1, tl.trans(k1))
-            s += tl.dot(q2, tl.trans(k2))
+        s = half_scores(q1, q2, k1, k2, DOT_FP32)  # K is in the dot dtype already
         key_idx_f = slot_f + j * B
         allowed = real[None, :] & (key_idx_f[None, :] <= q_idx_f[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = softmax_step(s, allowed, m_i, l_i)
         # Rows past v_end load as zero: an uninitialised slot may hold NaN (0 * NaN = NaN).
         v_tile = v_head_ptr + blk * stride_vb + _i64(row0) * stride_vs
         v = _load_tile(v_tile, rows_left, 0, stride_vs, D, BLOCK_N, D_P, BLOCK_PTR)
@@ -440,7 +438,8 @@ def _rotated_q(
     cs = cos_sin_ptr + pos.to(tl.int64) * stride_cs
     cos = tl.load(cs + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cs + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
-    return (x1 * cos - x2 * sin) * qk_scale, (x2 * cos + x1 * sin) * qk_scale
+    r1, r2 = rotate(x1, x2, cos, sin)
+    return r1 * qk_scale, r2 * qk_scale
 
 
 @triton.jit
@@ -576,7 +575,7 @@ def _prefill_kernel(
                     BLOCK_PTR,
                 )  # fmt: skip
             done = tl.maximum(done, hi)
-            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            out = normalize(acc, l_i)
             ty = out_ptr.dtype.element_ty
             _store_tile(o_head, out.to(ty), f_hi, f0, D, D, ROWS, D_P, BLOCK_PTR)
 
@@ -668,8 +667,7 @@ def _decode_kernel(
                 cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, DOT_FP32, 0,
                 BLOCK_PTR,
             )  # fmt: skip
-        safe_l = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / safe_l[:, None]
+        out = normalize(acc, l_i)
         if NUM_SPLITS == 1:
             o_row = out_ptr + row.to(tl.int64) * stride_ot + head0 * stride_oh
             ty = out_ptr.dtype.element_ty
@@ -679,40 +677,8 @@ def _decode_kernel(
             part = (row.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head0) * NUM_SPLITS + split
             _store_tile(part_ptr + part * D, out, n_heads, 0, NUM_SPLITS * D, D, GROUP_P, D_P,
                         BLOCK_PTR)  # fmt: skip
-            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(safe_l))
+            lse = log2_sum_exp(m_i, l_i)
             tl.store(lse_ptr + part + g * NUM_SPLITS, lse, mask=g < n_heads)
-
-
-@triton.jit
-def _combine_kernel(
-    part_ptr,
-    lse_ptr,
-    out_ptr,
-    num_rows,
-    stride_ot,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    D: tl.constexpr,
-    D_P: tl.constexpr,
-):
-    """Persistent: merge the splits of each (query, head) by their log-sum-exp."""
-    p = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, D_P)
-    for w in range(tl.program_id(0), num_rows * NUM_HEADS, tl.num_programs(0)):
-        row = w // NUM_HEADS
-        head = w % NUM_HEADS
-        base = (tl.zeros([], tl.int64) + w) * NUM_SPLITS
-        lse = tl.load(lse_ptr + base + p)
-        m = tl.max(lse, 0)
-        weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-        part = tl.load(
-            part_ptr + (base + p)[:, None] * D + d[None, :], mask=(d < D)[None, :], other=0.0
-        )
-        total = tl.sum(weight, 0)
-        out = tl.sum(part * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-        o = out_ptr + (tl.zeros([], tl.int64) + row) * stride_ot + head * stride_oh + d
-        tl.store(o, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 def prefill_items(
@@ -767,18 +733,14 @@ def num_cores(device: torch.device, kind: str = "num_aicore") -> int:
 def decode_splits(cores: int, num_seqs: int, num_kv_heads: int, max_entries: int) -> int:
     """Splits per (sequence, KV head): enough work items to cover the cores, >= 2 entries each."""
     want = min(-(-cores // max(num_seqs * num_kv_heads, 1)), max(1, max_entries // 2), 32)
-    return _pow2_at_least(want)
+    return pow2_at_least(want, 1)
 
 
 def check_supported(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: PagedRopeMetadata, rope: RopeSpec
 ) -> None:
     """Shapes and dtypes this kernel takes; anything else raises before a launch."""
-    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            f"expected query [T, Hq, D] and kv_cache [2, num_blocks, B, Hkv, D], got "
-            f"{tuple(query.shape)} and {tuple(kv_cache.shape)}"
-        )
+    check_layout(query, kv_cache)
     _, _, bs, hkv, d = kv_cache.shape
     if query.shape[2] != d or rope.cos_sin_cache.shape[-1] != d or d % 2:
         raise ValueError(
@@ -792,15 +754,7 @@ def check_supported(
             f"block size {bs} (metadata {meta.block_size}) must be a power of two >= 16 or a "
             "multiple of 64 (Ascend: 128)"
         )
-    for name, t in (("query", query), ("kv_cache", kv_cache)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} dtype {t.dtype} not supported; use fp32, fp16 or bf16")
-    if meta.query_positions.numel() != query.shape[0]:
-        raise ValueError(
-            f"metadata has {meta.query_positions.numel()} queries, query has {query.shape[0]}"
-        )
-    if kv_cache.device != query.device:
-        raise ValueError(f"query on {query.device}, kv_cache on {kv_cache.device}")
+    check_tensors(query, kv_cache, meta)
     if query.device.type != "npu" and not INTERPRETED:
         raise RuntimeError(
             f"the triton-ascend kernel needs NPU tensors (got {query.device}); set "
@@ -827,16 +781,12 @@ class LaunchPlan:
     finish: Callable[[], None] | None = None
 
 
-def _int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.to(device=device, dtype=torch.int32).contiguous()
-
-
 def _step_tensors(meta: PagedRopeMetadata, device: torch.device):
     """The metadata as device int32 tensors, built once per step (memoised on the metadata,
     which every layer of the step shares)."""
     key = ("ascend-triton", str(device))
     if key not in meta.memo:
-        meta.memo[key] = tuple(_int32(t, device) for t in meta.tensors())
+        meta.memo[key] = tuple(int32(t, device) for t in meta.tensors())
     return meta.memo[key]
 
 
@@ -901,7 +851,7 @@ def _prefill_step(
     if key not in meta.memo:
         seqs, lo, hi = prefill_items(meta.query_start_loc, block_q, cores, hkv)
         num_items = torch.tensor([seqs.numel()], dtype=torch.int32, device=device)
-        row_q_idx = _int32(meta.query_indices, device).repeat_interleave(group)
+        row_q_idx = int32(meta.query_indices, device).repeat_interleave(group)
         max_keys = max(1, meta.max_num_blocks * meta.block_size)
         scratch = prefill_scratch(device, cores, max_keys, head, dtype)
         meta.memo[key] = (
@@ -954,7 +904,7 @@ def plan_launches(
             f"the decode kernel takes <= 1 query per sequence, not {meta.max_query_len}"
         )
     group = hq // hkv
-    group_p = _pow2_at_least(group)
+    group_p = pow2_at_least(group, 1)
     dot_fp32 = dots_in_fp32(query.dtype, kv_cache.dtype, half_dots)
     cos_sin = rope.cos_sin_cache.to(device).contiguous()
     auto_q, auto_n = choose_tiles(
@@ -978,46 +928,30 @@ def plan_launches(
         B=bs,
         BLOCK_N=block_n,
         HALF=half,
-        HALF_P=_pow2_at_least(half, 16),
+        HALF_P=pow2_at_least(half, 16),
         D=d,
-        D_P=_pow2_at_least(d, 16),
+        D_P=pow2_at_least(d, 16),
         IS_NEOX=bool(rope.is_neox_style),
         DOT_FP32=dot_fp32,
         BLOCK_PTR=BLOCK_POINTERS if block_pointers is None else block_pointers,
     )
-    strides = (
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
-        tables[3].stride(0),
-        cos_sin.stride(0),
-    )
+    strides = launch_strides(query, out, k, v, tables[3], cos_sin)
     qk_scale = float(scale) * LOG2E
 
     if decode:
         splits = num_splits or decode_splits(cores, meta.num_seqs, hkv, meta.max_num_blocks)
         if splits & (splits - 1):
             raise ValueError(f"num_splits {splits} must be a power of two")
-        part = lse = out  # placeholders when there is a single split
-        if splits > 1:
-            part = torch.empty(t, hq, splits, d, device=device, dtype=torch.float32)
-            lse = torch.full((t, hq, splits), float("-inf"), device=device, dtype=torch.float32)
+        part, lse = split_buffers(out, splits)
         work = meta.num_seqs * hkv * splits
         launches = [Launch(
             _decode_kernel, (min(cores, work),),
             (query, out, part, lse, k, v, cos_sin, meta.num_seqs, *tables, *strides, qk_scale),
-            dict(NUM_SPLITS=splits, **{**common, "GROUP_P": _pow2_at_least(group, 16)}),
+            dict(NUM_SPLITS=splits, **{**common, "GROUP_P": pow2_at_least(group, 16)}),
         )]  # fmt: skip
         if splits > 1:
             launches.append(Launch(
-                _combine_kernel, (min(cores * 2, t * hq),),
+                combine_kernel, (min(cores * 2, t * hq),),
                 (part, lse, out, t, out.stride(0), out.stride(1)),
                 dict(NUM_HEADS=hq, NUM_SPLITS=splits, D=d, D_P=common["D_P"]),
             ))  # fmt: skip
@@ -1037,7 +971,7 @@ def plan_launches(
             _rope_q_kernel, (min(cores * 2, t * hkv),),
             (query, q_rot, cos_sin, tables[1], t, query.stride(0), query.stride(1),
              cos_sin.stride(0), qk_scale),
-            dict(GROUP_P=_pow2_at_least(group), **rope_q),
+            dict(GROUP_P=pow2_at_least(group, 1), **rope_q),
         ),
         Launch(
             _prefill_kernel, (cores,),

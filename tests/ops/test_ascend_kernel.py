@@ -1,4 +1,4 @@
-"""The triton-ascend kernel (``cuda_fallback.rope_paged_attention_ascend``) under an interpreter.
+"""The triton-ascend kernel (``ascend_mepic.ops.triton_ascend``) under an interpreter.
 
 Two kinds of check. The UB tests (pure Python) run everywhere triton is installed: they run the
 launcher with its kernels replaced by a recorder and check the tile sizes it picked against the
@@ -35,7 +35,7 @@ if importlib.util.find_spec("triton") is None:
 
 import triton  # noqa: E402
 
-asc = importlib.import_module("cuda_fallback.rope_paged_attention_ascend")
+asc = importlib.import_module("ascend_mepic.ops.triton_ascend")
 # Interpreted only if TRITON_INTERPRET was set before this process first imported triton.
 IN_PROCESS = asc.INTERPRETED and type(triton.language.standard.max).__name__ == (
     "InterpretedFunction"

@@ -4,12 +4,12 @@ implementation against the float64 oracle, in fp32 at 1e-5.
 Here: the GQA ratios of those models (4:1 as 8/2: Mistral-7B, Llama-3.1-8B, Qwen3-8B; 7:1 as
 7/1: Qwen2.5-7B) at block 16 and 128, prefill (scattered queries) and decode, with their RoPE
 bases (1e6; Llama's 500000), for the torch reference, the native CPU kernel, and both Triton
-kernels (``cuda_fallback``) under the interpreter: upstream Triton's in a subprocess of the main
-run (as ``tests/ops/test_triton.py``), and the Ascend kernel also under triton-ascend's when this
-file runs in ``.venv-ascend`` with ``TRITON_INTERPRET=1`` (``scripts/test_ascend.sh
-tests/ops/test_head128.py``; the CUDA kernel is not run there: its interpreter is upstream
-Triton's, and ``tests/ops/test_triton_ascend.py`` keeps a smaller check of it under
-triton-ascend's).
+kernels (``cuda_fallback.rope_paged_attention``, ``ascend_mepic.ops.triton_ascend``) under the
+interpreter: upstream Triton's in a subprocess of the main run (as ``tests/ops/test_triton.py``),
+and the Ascend kernel also under triton-ascend's when this file runs in ``.venv-ascend`` with
+``TRITON_INTERPRET=1`` (``scripts/test_ascend.sh tests/ops/test_head128.py``; the CUDA kernel is
+not run there: its interpreter is upstream Triton's, and ``tests/ops/test_triton_ascend.py``
+keeps a smaller check of it under triton-ascend's).
 
 Head 128 elsewhere: the Triton kernel in fp32 (``test_triton.py::test_head_dims``) and fp16/bf16
 (``test_triton_half.py``); the triton-ascend kernel's fp16/bf16 dots
@@ -53,7 +53,7 @@ if HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
     import triton
 
     tri = importlib.import_module("cuda_fallback.rope_paged_attention")
-    asc = importlib.import_module("cuda_fallback.rope_paged_attention_ascend")
+    asc = importlib.import_module("ascend_mepic.ops.triton_ascend")
     # Triton imported before the variable was set (in this process) cannot interpret.
     IN_PROCESS = tri.INTERPRETED and type(triton.language.standard.max).__name__ == (
         "InterpretedFunction"
