@@ -26,30 +26,27 @@ reference and ``tests/hf_oracle.py`` equal transformers' own forward under ``ful
 under ``mepic``; Llama-3.1's llama3 RoPE scaling moves the reference's log-probabilities of B by
 more than 10 * ``REF_TOL`` (a MEPIC that rotated with unscaled RoPE would fail).
 
-Engines are shared: one process runs the stock engines (one per model), another all MEPIC engines
-(one per model, block size and policy, one after another); each engine runs every request of the
-checks above. Stock and MEPIC engines never share a process: MEPIC's no-op rotary classes and
-vLLM's cache of rotary modules are process-wide. Op-level head-128 coverage of every kernel is in
+Engine processes are shared: the engines run one after another in the test process's engine hosts
+(``tests/engine_host.py``: stock engines in one, MEPIC engines in another), one engine per model
+(stock) or per model, block size and policy (MEPIC); each engine runs every request of the checks
+above. Stock and MEPIC engines never share a process: MEPIC's no-op rotary classes and vLLM's
+cache of rotary modules are process-wide. Op-level head-128 coverage of every kernel is in
 ``tests/ops/test_head128.py``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
-import traceback
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from ascend_mepic.core.segments import Segment, SegmentKind
+from ascend_mepic.core.segments import Segment
 from ascend_mepic.eval.prepare import REDUCED_ARCHITECTURES, prepare_reduced
 from ascend_mepic.eval.support_matrix import STOCK_BLOCK_SIZE, SUPPORT_MATRIX
+from tests.engine_host import EngineJobError, run_engine
 
 CACHE_POLICIES = ("full", "mepic", "epic-16")
 REFERENCE_POLICIES = {"mepic-matches-reference": "mepic", "epic-16-matches-reference": "epic-16"}
@@ -60,7 +57,6 @@ MAX_TOKENS = 4
 # Room for B's block table at block 128 (MEPIC pads chunks to blocks: more slots than tokens).
 MAX_MODEL_LEN = 2048
 LOGPROBS = 5
-ENGINE_TIMEOUT_S = 900
 
 
 def _requests() -> tuple[list[Segment], list[Segment]]:
@@ -108,121 +104,34 @@ def _engine_plan() -> list[dict[str, Any]]:
     return plan
 
 
-def _run_engines(jobs: list[dict[str, Any]]) -> None:
-    """In the child process: each job's engine in turn; prints one RESULT line per engine."""
-    import gc
-
-    from vllm import LLM, SamplingParams
-
-    from ascend_mepic.entrypoints.offline import generate_segments, mepic_llm_kwargs
-
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=LOGPROBS)
-    for job in jobs:
-        out: dict[str, Any] = {"key": _key(job)}
-        llm = None
-        try:
-            mepic = job["policy"] is not None
-            llm = LLM(
-                model=job["path"],
-                dtype="float32",
-                max_model_len=MAX_MODEL_LEN,
-                block_size=job["block_size"],
-                seed=0,
-                enforce_eager=True,
-                **(mepic_llm_kwargs(policy=job["policy"]) if mepic else {}),
-            )
-            batches = []
-            for index, batch in enumerate(job["batches"]):
-                if index in job["reset_before"]:
-                    llm.reset_prefix_cache()  # evicts every idle chunk from the KV pool
-                reqs = [[Segment(SegmentKind(k), tuple(t)) for k, t in r] for r in batch]
-                if mepic:
-                    outs = generate_segments(llm, reqs, params)
-                else:
-                    flat = [{"prompt_token_ids": [t for s in r for t in s.token_ids]} for r in reqs]
-                    outs = llm.generate(flat, params, use_tqdm=False)
-                batches.append(
-                    [
-                        {
-                            "tokens": list(o.outputs[0].token_ids),
-                            "finish": o.outputs[0].finish_reason,
-                            "logprobs": [
-                                {str(t): v.logprob for t, v in step.items()}
-                                for step in o.outputs[0].logprobs
-                            ],
-                        }
-                        for o in outs
-                    ]
-                )
-            out["batches"] = batches
-            core = llm.llm_engine.engine_core.engine_core  # in-process engine core
-            manager = core.scheduler.kv_cache_manager
-            if hasattr(manager, "metrics"):
-                out["metrics"] = manager.metrics()
-        except Exception:  # reported per engine: the other engines' checks still run
-            out["error"] = traceback.format_exc()[-6000:]
-        finally:
-            if llm is not None:
-                llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
-        print("RESULT" + json.dumps(out), flush=True)
-
-
 def _key(job: dict[str, Any]) -> str:
     return f"{job['model_id']}|{job['policy'] or 'stock'}|{job['block_size']}"
 
 
-def _spawn(jobs: list[dict[str, Any]]) -> subprocess.Popen:
-    root = Path(__file__).resolve().parent.parent
-    env = dict(
-        os.environ,
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        PYTHONPATH=str(root),
-    )
-    return subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve())],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=root,
-    )
-
-
-def _collect(proc: subprocess.Popen, jobs: list[dict[str, Any]]) -> dict[str, dict]:
-    try:
-        stdout, stderr = proc.communicate(json.dumps(jobs), timeout=ENGINE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        stderr += f"\ntimed out after {ENGINE_TIMEOUT_S} s"
-    found = {}
-    for line in stdout.splitlines():
-        if line.startswith("RESULT"):
-            result = json.loads(line[len("RESULT") :])
-            found[result.pop("key")] = result
-    for job in jobs:  # an engine process that died leaves its remaining engines without results
-        found.setdefault(_key(job), {"error": f"exit {proc.returncode}: {stderr[-6000:]}"})
-    return found
+def _runner_job(job: dict[str, Any]) -> dict[str, Any]:
+    """The plan's job in ``tests/engine_runner.py``'s format."""
+    return {
+        "model": str(prepare_reduced(job["model_id"])),
+        "mepic": job["policy"] is not None,
+        "policy": job["policy"],
+        "block_size": job["block_size"],
+        "max_model_len": MAX_MODEL_LEN,
+        "max_tokens": MAX_TOKENS,
+        "logprobs": LOGPROBS,
+        "batches": [[{"segments": r} for r in batch] for batch in job["batches"]],
+        "reset_before": job["reset_before"],
+    }
 
 
 @pytest.fixture(scope="module")
 def engine_runs() -> dict[str, dict]:
     """Every engine's results by ``model|policy|block`` (policy ``stock`` for stock vLLM)."""
-    jobs = _engine_plan()
-    for job in jobs:
-        job["path"] = str(prepare_reduced(job["model_id"]))
-    stock = [j for j in jobs if j["policy"] is None]
-    mepic = [j for j in jobs if j["policy"] is not None]
     results: dict[str, dict] = {}
-    # One after the other: two vLLM CPU engines at once would share 2 cores' OpenMP threads.
-    for group in (stock, mepic):
-        if group:
-            results.update(_collect(_spawn(group), group))
+    for job in _engine_plan():  # one after the other, in this process's stock and MEPIC hosts
+        try:
+            results[_key(job)] = run_engine(_runner_job(job))
+        except EngineJobError as e:  # reported per engine: the other engines' checks still run
+            results[_key(job)] = {"error": str(e)[-6000:]}
     return results
 
 
@@ -429,6 +338,3 @@ def test_policy_matches_reference(model_id, block_size, check, engine_runs, refe
         # The reference tells the policy from full recompute here, so the check above can fail.
         assert (want[0] - ref.logprobs(req, "full")[0]).abs().max() > 10 * REF_TOL
 
-
-if __name__ == "__main__":
-    _run_engines(json.loads(sys.stdin.read()))
