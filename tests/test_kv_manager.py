@@ -145,7 +145,7 @@ def test_an_idle_chunk_used_again_moves_next_to_the_chunks_in_use():
     again = make_request("again", [Segment.prompt([3]), c1, Segment.prompt([7])], B)
     admit(m, again)
     # c1's blocks were used by nobody: it moves after c3 instead of making them used.
-    moves = m.take_chunk_moves()
+    moves = m.take_step_plan(1, ())[0].chunk_moves
     assert [mv.chunk_id for mv in moves] == [e1.chunk_id] and m.chunk_cache.stats.moves == 1
     assert moves[0].src_block_ids == tuple(old) and moves[0].dst_block_ids == tuple(e1.block_ids)
     assert canonical_ids(m, "again", 1) == e1.block_ids and not set(old) & set(e1.block_ids)
@@ -474,7 +474,7 @@ def test_server_precheck_accepts_and_rejects_what_the_engine_does():
     """The HTTP server's 400 and the engine's intake judge requests by one rule."""
     from ascend_mepic.core.policies import parse_policy
     from ascend_mepic.core.request_limits import RequestLimits
-    from ascend_mepic.entrypoints.server.segments import MepicRequestError, check_fits
+    from ascend_mepic.entrypoints.server.text_segments import MepicRequestError, check_fits
 
     rng, policy, seen = random.Random(0), parse_policy("mepic"), set()
     for i in range(150):

@@ -12,7 +12,7 @@ import torch
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 from ascend_mepic.ops.rope import UnsupportedRopeError
-from ascend_mepic.worker import rope
+from ascend_mepic.worker import nope_rotary as rope
 
 
 def _nope(theta: float) -> torch.nn.Module:

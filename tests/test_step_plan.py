@@ -14,7 +14,7 @@ from ascend_mepic.core.plan import SequencePlacement, StepPlan
 from ascend_mepic.core.segments import Segment, build_layout
 from ascend_mepic.vllm_integration import channel
 from ascend_mepic.vllm_integration.channel import StepPlanError
-from ascend_mepic.vllm_integration.runner import STEP_NOT_PLACED
+from ascend_mepic.vllm_integration.runner_internals import STEP_NOT_PLACED
 from ascend_mepic.worker import step
 from ascend_mepic.worker.attention import MepicAttentionMetadataBuilder
 from ascend_mepic.worker.model_runner import MepicRunnerMixin

@@ -27,7 +27,7 @@ KVCacheCoordinator -> SingleTypeKVCacheManager -> BlockPool:
 * ``HostStoreStaging`` / ``TierTransfers`` (chunk_transfers.py): host-store and tier transfers;
 * ``StepRoom`` (step_room.py): the step's compile room and its compiles;
 * ``MepicCounters`` (counters.py), ``KVAccounting`` (kv_accounting.py): counts, metrics;
-* ``KVSettings`` (kv_settings.py): policy, dummy token, host store and tier, set by the scheduler.
+* ``KVSettings`` (kv_settings.py): policy, dummy token, host store, tier, limits (frozen).
 
 vLLM internals it touches are in ``ascend_mepic/vllm_integration/kv_cache.py``.
 """
@@ -53,12 +53,11 @@ from ascend_mepic.core.identity import ChunkId
 from ascend_mepic.core.kv_accounting import KVAccounting
 from ascend_mepic.core.kv_settings import KVSettings
 from ascend_mepic.core.plan import (
-    ChunkCompile,
-    ChunkMove,
-    HostLoad,
+    ChunkSave,
+    ExtraSequence,
     RequestPlan,
     SequencePlacement,
-    TierLoad,
+    StepPlan,
 )
 from ascend_mepic.core.policies import Policy
 from ascend_mepic.core.request_intake import (
@@ -92,6 +91,7 @@ class MepicKVCacheManager(KVCacheManager):
         *args: Any,
         hash_fn: Callable[[Any], bytes],
         model_fingerprint: str,
+        settings: KVSettings | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -99,10 +99,13 @@ class MepicKVCacheManager(KVCacheManager):
         self.hash_fn = hash_fn
         self.model_fingerprint = model_fingerprint
         self.counters = MepicCounters()
-        self.settings = KVSettings()
+        self.settings = settings if settings is not None else KVSettings()
         # Chunk compiles run as extra sequences in the admitting step, in the room the step's
-        # scheduled requests leave; the scheduler sets the batch size (unbounded for kvsim).
+        # scheduled requests leave, within the runner's batch (unbounded for kvsim).
         self.room = StepRoom()
+        if self.settings.budgets is not None:
+            b = self.settings.budgets
+            self.room.set_budgets(b.tokens, b.seqs, b.compile_token_cap, b.whole_prefills)
         self._states: dict[str, RequestState] = {}
         self._single = request_tables(self)  # vLLM's holder of the request block tables
         self.mepic_block_size = table_block_size(self._single)
@@ -158,42 +161,40 @@ class MepicKVCacheManager(KVCacheManager):
                 f"MEPIC supports full attention only, got {type(spec).__name__}"
             )
 
-    # ---------------------------------------------------------------- set by the scheduler
+    # ---------------------------------------------------------------- settings (read-only)
 
     @property
     def policy(self) -> Policy:
         return self.settings.policy
-
-    @policy.setter
-    def policy(self, policy: Policy) -> None:
-        self.settings.policy = policy
 
     @property
     def dummy_token_id(self) -> int:
         """LegoLink-0's dummy token (the model's BOS)."""
         return self.settings.dummy_token_id
 
-    @dummy_token_id.setter
-    def dummy_token_id(self, token_id: int) -> None:
-        self.settings.dummy_token_id = token_id
-
     @property
     def store(self) -> HostChunkStore | None:
         """The host chunk store (loading policies)."""
         return self.settings.store
-
-    @store.setter
-    def store(self, store: HostChunkStore | None) -> None:
-        self.settings.store = store
 
     @property
     def tier(self) -> TierIndex | None:
         """The off-device tier's index (when the tier is configured)."""
         return self.settings.tier
 
-    @tier.setter
-    def tier(self, tier: TierIndex | None) -> None:
-        self.settings.tier = tier
+    @property
+    def num_blocks(self) -> int:
+        """Usable blocks of the pool (vLLM keeps one null block)."""
+        return self.block_pool.num_gpu_blocks - 1
+
+    def compile_room(self) -> tuple[int, int]:
+        """(tokens, sequences) one step's compiles can hold."""
+        return self.room.max_compile_tokens, self.room.max_compile_seqs
+
+    def take_compile_reserve(self) -> tuple[int, int]:
+        """(tokens, sequences) to keep from vLLM's requests this step, for compiles a previous
+        step had to defer (see ``StepRoom.take_reserve``)."""
+        return self.room.take_reserve()
 
     @property
     def recent_chunk_blocks(self) -> deque[tuple[str, list[list[int]]]]:
@@ -234,11 +235,6 @@ class MepicKVCacheManager(KVCacheManager):
         st = self._states.pop(request_id, None)
         assert st is None or not st.allocated
 
-    def placement(self, request_id: str) -> SequencePlacement | None:
-        """How the worker places a tracked request's tokens; None for other requests."""
-        st = self._states.get(request_id)
-        return st.placement if st is not None else None
-
     def get_plan(self, request_id: str) -> RequestPlan | None:
         st = self._states.get(request_id)
         return st.plan if st else None
@@ -265,28 +261,67 @@ class MepicKVCacheManager(KVCacheManager):
         (placed in ``tenant``'s blocks: the request's cache salt)."""
         self.tier_transfers.stage_loads(layout, chunk_ids, tenant)
 
-    def take_step_loads(self) -> list[TierLoad]:
-        return self.tier_transfers.take_step_loads()
+    def take_step_plan(
+        self, step: int, new_request_ids: Iterable[str]
+    ) -> tuple[StepPlan, list[ExtraSequence]]:
+        """This step's plan for the workers and its extra sequences, taken once.
 
-    def tier_step_finished(self, scheduled_ids: Iterable[str]) -> None:
-        """Loads that ran in the finished step become resident, or are dropped."""
-        self.tier_transfers.step_finished(scheduled_ids)
-
-    def wants_offload(self, chunk_id: ChunkId) -> bool:
-        """Should this compile's canonical KV go to the tier (write-through on compile)?"""
-        return self.tier_transfers.wants_offload(chunk_id)
-
-    def take_step_compiles(self) -> list[tuple[str, ChunkCompile]]:
-        """(request id, compile) for every chunk first allocated in this step, once."""
-        return self.room.take_compiles()
-
-    def take_chunk_moves(self) -> list[ChunkMove]:
-        """Chunk relocations issued in this step, once (the worker copies them first)."""
-        return self.admission.take_moves()
-
-    def take_host_loads(self) -> list[HostLoad]:
-        """Host-store copies into private blocks allocated in this step, once."""
-        return self.admission.take_host_loads()
+        The plan places the new (and resumed) tracked requests and this step's extra sequences:
+        each chunk compile (the chunk alone from position 0, its private tokens in scratch
+        blocks, its canonical tokens where the chunk arena placed them) and each tier load (one
+        dummy token whose blocks the worker fills before the forward). It carries the host loads,
+        the host-store saves and tier puts of the compiles, and the chunk moves (run first).
+        """
+        placements: dict[str, SequencePlacement] = {}
+        for request_id in new_request_ids:
+            st = self._states.get(request_id)
+            if st is not None and st.placement is not None:
+                placements[request_id] = st.placement
+        extra: list[ExtraSequence] = []
+        tier_loads = tuple(self.tier_transfers.take_step_loads())
+        for load in tier_loads:
+            extra.append(
+                ExtraSequence(load.io_id, (self.dummy_token_id,), (load.scratch_block_id,))
+            )
+        host_saves: list[ChunkSave] = []
+        tier_puts: list[ChunkSave] = []
+        for request_id, compile_ in self.room.take_compiles():
+            seq_id = f"mepic-compile-{compile_.chunk_id[:16]}-{request_id}"
+            tokens = (*compile_.dummy_tokens, *compile_.token_ids)
+            lengths = tuple((kind, n) for kind, n in compile_.segment_lengths)
+            packing = (compile_.packing,) if compile_.packing is not None else None
+            placements[seq_id] = SequencePlacement(
+                lengths, len(tokens), compile=True, packing=packing
+            )
+            if compile_.store_blocks:
+                blocks = compile_.block_ids[-compile_.store_blocks :]
+                host_saves.append(
+                    ChunkSave(
+                        compile_.chunk_id, blocks, len(compile_.token_ids), compile_.store_scores
+                    )
+                )
+            elif compile_.packing is not None and self.tier_transfers.wants_offload(
+                compile_.chunk_id
+            ):
+                tier_puts.append(
+                    ChunkSave(
+                        compile_.chunk_id,
+                        compile_.canonical_block_ids,
+                        compile_.num_canonical,
+                        offset=compile_.packing[1],
+                    )
+                )
+            extra.append(ExtraSequence(seq_id, tokens, tuple(compile_.block_ids)))
+        plan = StepPlan(
+            step=step,
+            placements=placements,
+            host_loads=tuple(self.admission.take_host_loads()),
+            host_saves=tuple(host_saves),
+            tier_puts=tuple(tier_puts),
+            tier_loads=tier_loads,
+            chunk_moves=tuple(self.admission.take_moves()),
+        )
+        return plan, extra
 
     def unpin_chunks(self, request: Request) -> int:
         """Unpin the chunks of a control request (its segments name them); returns how many.
@@ -408,12 +443,16 @@ class MepicKVCacheManager(KVCacheManager):
 
     # ---------------------------------------------------------------- steps and release
 
-    def step_finished(self) -> None:
-        """The step's forward pass ran: its compiles are in the cache, their scratch is free.
+    def step_finished(self, scheduled_ids: Iterable[str] | None = None) -> None:
+        """The step's forward pass ran: its compiles are in the cache, their scratch is free;
+        with the scheduled ids (from the engine's output), its tier loads became resident or
+        are dropped.
 
         Called before finished requests are released, so a request that ends in the step that
         compiled its chunks leaves them resident (idle) rather than dropping them.
         """
+        if scheduled_ids is not None and self.tier is not None:
+            self.tier_transfers.step_finished(scheduled_ids)
         self.admission.commit_compiled()
         self.admission.moves = []  # sent with the step that ran (kvsim has no worker to send to)
         self.staging.step_finished()  # the worker saved the host-store compiles after the forward

@@ -1,8 +1,8 @@
-"""What the scheduler sets on the KV manager after building it, shared by the manager's parts.
+"""What the KV manager is built with beyond vLLM's arguments: one frozen value, made once.
 
-``MepicScheduler`` builds ``MepicKVCacheManager`` with vLLM's own arguments, then sets the policy,
-the dummy token, the host store and the tier on it. The manager's parts (intake, hit lookup,
-admission, transfers, accounting) all read this one object, so a value set later is seen by all.
+``MepicScheduler`` makes it from MEPIC's configuration before it builds ``MepicKVCacheManager``
+(kvsim and the unit tests use the defaults). The manager hands the same object to each of its
+parts (intake, hit lookup, admission, transfers, accounting), and nothing changes it afterwards.
 """
 
 from __future__ import annotations
@@ -15,10 +15,22 @@ from ascend_mepic.tier.host_store import HostChunkStore
 from ascend_mepic.tier.index import TierIndex
 
 
-@dataclass
+@dataclass(frozen=True)
+class StepBudgets:
+    """The runner's per-step batch and the share of it one step's compiles may take
+    (``StepRoom.set_budgets``); None in ``KVSettings`` means unbounded (kvsim)."""
+
+    tokens: int
+    seqs: int
+    compile_token_cap: int
+    whole_prefills: bool = False
+
+
+@dataclass(frozen=True)
 class KVSettings:
     policy: Policy = field(default_factory=lambda: parse_policy("mepic"))
     dummy_token_id: int = 0  # LegoLink-0's dummy token (the model's BOS)
-    store: HostChunkStore | None = None  # set by the scheduler for loading policies
-    tier: TierIndex | None = None  # set by the scheduler when the tier is configured
+    store: HostChunkStore | None = None  # the host chunk store, for loading policies
+    tier: TierIndex | None = None  # the off-device tier's index, when it is configured
     max_chunks: int = DEFAULT_MAX_CHUNKS  # chunks per request (``core.request_limits``)
+    budgets: StepBudgets | None = None

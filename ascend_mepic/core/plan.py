@@ -177,3 +177,13 @@ class StepPlan:
     tier_puts: tuple[ChunkSave, ...] = ()
     tier_loads: tuple[TierLoad, ...] = ()
     chunk_moves: tuple[ChunkMove, ...] = ()  # run first, before any load or the forward
+
+
+@dataclass(frozen=True)
+class ExtraSequence:
+    """A sequence of the step that is not a vLLM request (a chunk compile or a tier load): the
+    scheduler adds it to the step's output, and the worker forgets it after the step."""
+
+    seq_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]

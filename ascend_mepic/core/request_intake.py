@@ -36,7 +36,7 @@ from ascend_mepic.core.segments import (
 from ascend_mepic.core.step_room import StepRoom
 from ascend_mepic.vllm_integration.block_hasher import vllm_prompt_hashes
 from ascend_mepic.vllm_integration.kv_cache import num_usable_blocks, set_block_hashes
-from ascend_mepic.vllm_integration.scheduler import set_prompt
+from ascend_mepic.vllm_integration.scheduler_internals import set_prompt
 
 
 class BlockRole(str, enum.Enum):

@@ -3,8 +3,8 @@
 Install with ``--scheduler-cls ascend_mepic.core.scheduler.MepicScheduler`` and turn MEPIC on with
 ``--additional-config '{"mepic": {}}'``. vLLM 0.30.0 builds its ``KVCacheManager`` inside
 ``Scheduler.__init__`` with no hook to choose another class, so this subclass replaces it right
-after construction (``vllm_integration.scheduler.install_kv_manager``), before any block is
-allocated. With MEPIC off it is stock vLLM's scheduler.
+after construction (``vllm_integration.scheduler_internals.install_kv_manager``), before any
+block is allocated. With MEPIC off it is stock vLLM's scheduler.
 
 Requests carrying ``extra_args["mepic_segments"]`` are validated when they arrive; a malformed
 layout or one that can never fit the KV pool finishes at once with ``FINISHED_ERROR`` and a logged
@@ -30,13 +30,13 @@ from ascend_mepic.config import MepicConfig
 from ascend_mepic.core.engine_support import check_engine_supported
 from ascend_mepic.core.identity import ChunkId, model_fingerprint, weights_digest
 from ascend_mepic.core.kv_manager import MepicKVCacheManager
-from ascend_mepic.core.plan import ChunkSave, SequencePlacement, StepPlan
+from ascend_mepic.core.kv_settings import KVSettings, StepBudgets
 from ascend_mepic.core.policies import Placement
 from ascend_mepic.core.segments import UNPIN_KEY, Layout, LayoutError
 from ascend_mepic.tier.host_store import host_store
 from ascend_mepic.tier.index import TierIndex
 from ascend_mepic.vllm_integration import block_hasher, channel
-from ascend_mepic.vllm_integration.scheduler import (
+from ascend_mepic.vllm_integration.scheduler_internals import (
     add_pseudo_request,
     emit_finished_at_arrival,
     install_kv_manager,
@@ -62,6 +62,13 @@ class MepicScheduler(Scheduler):
             self.mepic_config.parsed_policy,
             self.mepic_config.tier_config.enabled,
         )
+        self.pic_policy = self.mepic_config.parsed_policy
+        self._step_count = 0
+        self._batch = (self.max_num_scheduled_tokens, self.max_num_running_reqs)
+        self._compiles_to_finish: set[str] = set()
+        # Requests of loading policies wait here until their chunks are in the host store.
+        # (request, its layout, its chunk ids), inspected once at arrival.
+        self._staged: dict[str, tuple[Request, Layout, dict[int, ChunkId | None]]] = {}
         old = self.kv_cache_manager
         model = self.vllm_config.model_config
         manager = MepicKVCacheManager(
@@ -85,45 +92,47 @@ class MepicScheduler(Scheduler):
                 model.revision,
                 weights=weights_digest(model.model, model.revision),
             ),
+            settings=self._kv_settings(),
         )
         install_kv_manager(self, manager)
-        if self.mepic_config.parsed_policy.placement is not Placement.NONE:
+        if self.pic_policy.placement is not Placement.NONE:
             # Segmented requests are re-hashed by MEPIC: the engine core (built next) skips them.
             block_hasher.install()
-        self._step_count = 0
-        self._batch = (self.max_num_scheduled_tokens, self.max_num_running_reqs)
-        fraction = self.mepic_config.compile_token_fraction
-        if not 0.0 < fraction <= 1.0:
-            raise ValueError(f"compile_token_fraction must be in (0, 1], got {fraction}")
-        manager.room.set_budgets(
-            *self._batch,
-            int(self._batch[0] * fraction),
-            whole_prefills=not self.scheduler_config.enable_chunked_prefill,
-        )
-        self._compiles_to_finish: set[str] = set()
-        self.pic_policy = self.mepic_config.parsed_policy
-        self.kv_cache_manager.policy = self.pic_policy
-        self.kv_cache_manager.settings.max_chunks = self.mepic_config.max_chunks_per_request
-        bos = getattr(model.hf_config, "bos_token_id", None)
-        self.kv_cache_manager.dummy_token_id = int(bos) if bos is not None else 0
-        # Requests of loading policies wait here until their chunks are in the host store.
-        # (request, its layout, its chunk ids), inspected once at arrival.
-        self._staged: dict[str, tuple[Request, Layout, dict[int, ChunkId | None]]] = {}
-        root = self.mepic_config.store_root(self.vllm_config)
-        if self.pic_policy.loads_kv:
-            self.kv_cache_manager.store = host_store(root, owner=True)
-        tier = self.mepic_config.tier_config
-        if tier.enabled:
-            host_store(root, owner=True)  # owns (and removes at exit) the shared directory
-            self.kv_cache_manager.tier = TierIndex(tier, Path(root) / "tier", model.model)
-            logger.info("MEPIC chunk tier on: %s", tier)
         logger.info(
             "MEPIC scheduling path on: block size %d, %d KV blocks, compiles take up to %d "
             "tokens / %d sequences of a step, only in steps that issue them",
             self.block_size,
             old.kv_cache_config.num_blocks,
-            manager.room.max_compile_tokens,
-            manager.room.max_compile_seqs,
+            *manager.compile_room(),
+        )
+
+    def _kv_settings(self) -> KVSettings:
+        """The KV manager's settings, from MEPIC's configuration: made once, before it."""
+        fraction = self.mepic_config.compile_token_fraction
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"compile_token_fraction must be in (0, 1], got {fraction}")
+        model = self.vllm_config.model_config
+        bos = getattr(model.hf_config, "bos_token_id", None)
+        root = self.mepic_config.store_root(self.vllm_config)
+        store = tier = None
+        if self.pic_policy.loads_kv:
+            store = host_store(root, owner=True)
+        tier_config = self.mepic_config.tier_config
+        if tier_config.enabled:
+            host_store(root, owner=True)  # owns (and removes at exit) the shared directory
+            tier = TierIndex(tier_config, Path(root) / "tier", model.model)
+            logger.info("MEPIC chunk tier on: %s", tier_config)
+        return KVSettings(
+            policy=self.pic_policy,
+            dummy_token_id=int(bos) if bos is not None else 0,
+            store=store,
+            tier=tier,
+            max_chunks=self.mepic_config.max_chunks_per_request,
+            budgets=StepBudgets(
+                *self._batch,
+                int(self._batch[0] * fraction),
+                whole_prefills=not self.scheduler_config.enable_chunked_prefill,
+            ),
         )
 
     def shutdown(self) -> None:
@@ -230,7 +239,7 @@ class MepicScheduler(Scheduler):
             self._release_staged()
         # Compile room is kept only for compiles a previous step had to defer; every other
         # step gives vLLM the whole batch (compiles then take what its requests leave).
-        tokens, seqs = manager.room.take_reserve()
+        tokens, seqs = manager.take_compile_reserve()
         with step_limits(self, self._batch[0] - tokens, self._batch[1] - seqs):
             output = super().schedule(*args, **kwargs)
         if self._staged:
@@ -250,7 +259,7 @@ class MepicScheduler(Scheduler):
         assert isinstance(manager, MepicKVCacheManager)
         payload = {
             "time": time.time(),
-            "num_blocks": manager.block_pool.num_gpu_blocks - 1,
+            "num_blocks": manager.num_blocks,
             "block_size": manager.mepic_block_size,
             "metrics": manager.metrics(),
             "recent_chunk_blocks": list(manager.recent_chunk_blocks)[-64:],
@@ -264,78 +273,25 @@ class MepicScheduler(Scheduler):
             logger.warning("MEPIC could not write stats to %s: %s", path, e)
 
     def _add_compiles(self, output: SchedulerOutput) -> None:
-        """Add this step's chunk compiles and tier loads, and send the step's plan.
+        """Add this step's extra sequences (chunk compiles, tier loads) and send its plan.
 
-        A compile is the chunk alone from position 0 (its private tokens in scratch blocks, its
-        canonical tokens where the chunk arena placed them), run as its own sequence of the same
-        forward pass; a tier load is a one-token sequence
-        whose blocks the worker fills before the forward. Neither is a vLLM request; the
-        worker forgets them the next step. Everything the worker needs to place this step's
-        tokens goes into one ``StepPlan`` (``vllm_integration/channel.py``).
+        Neither kind is a vLLM request: each finishes with the step, and the worker forgets it.
+        Everything the worker needs to place this step's tokens is in one ``StepPlan``
+        (``KVCacheManager.take_step_plan``), sent on the output (``vllm_integration/channel.py``).
         """
         output.finished_req_ids |= self._compiles_to_finish
         self._compiles_to_finish = set()
-        manager = self.kv_cache_manager
-        placements: dict[str, SequencePlacement] = {}
-        for new in output.scheduled_new_reqs:  # new and resumed requests
-            placement = manager.placement(new.req_id)
-            if placement is not None:
-                placements[new.req_id] = placement
-        tier_loads = tuple(manager.take_step_loads())
-        for load in tier_loads:
-            tokens = [manager.dummy_token_id]
-            self._add_sequence(output, load.io_id, tokens, [load.scratch_block_id])
-        host_saves: list[ChunkSave] = []
-        tier_puts: list[ChunkSave] = []
-        for request_id, compile_ in manager.take_step_compiles():
-            compile_id = f"mepic-compile-{compile_.chunk_id[:16]}-{request_id}"
-            tokens = [*compile_.dummy_tokens, *compile_.token_ids]
-            lengths = tuple((kind, n) for kind, n in compile_.segment_lengths)
-            packing = (compile_.packing,) if compile_.packing is not None else None
-            placements[compile_id] = SequencePlacement(
-                lengths, len(tokens), compile=True, packing=packing
-            )
-            num_tokens = len(compile_.token_ids)
-            if compile_.store_blocks:
-                blocks = compile_.block_ids[-compile_.store_blocks :]
-                host_saves.append(
-                    ChunkSave(compile_.chunk_id, blocks, num_tokens, compile_.store_scores)
-                )
-            elif compile_.packing is not None and manager.wants_offload(compile_.chunk_id):
-                tier_puts.append(
-                    ChunkSave(
-                        compile_.chunk_id,
-                        compile_.canonical_block_ids,
-                        compile_.num_canonical,
-                        offset=compile_.packing[1],
-                    )
-                )
-            self._add_sequence(output, compile_id, tokens, list(compile_.block_ids))
         self._step_count += 1
-        channel.attach(
-            output,
-            StepPlan(
-                step=self._step_count,
-                placements=placements,
-                host_loads=tuple(manager.take_host_loads()),
-                host_saves=tuple(host_saves),
-                tier_puts=tuple(tier_puts),
-                tier_loads=tier_loads,
-                chunk_moves=tuple(manager.take_chunk_moves()),
-            ),
-        )
-
-    def _add_sequence(
-        self, output: SchedulerOutput, req_id: str, tokens: list[int], block_ids: list[int]
-    ) -> None:
-        add_pseudo_request(output, req_id, tokens, block_ids)
-        self._compiles_to_finish.add(req_id)
+        new_ids = (new.req_id for new in output.scheduled_new_reqs)  # new and resumed requests
+        plan, extra = self.kv_cache_manager.take_step_plan(self._step_count, new_ids)
+        for seq in extra:
+            add_pseudo_request(output, seq.seq_id, list(seq.token_ids), list(seq.block_ids))
+            self._compiles_to_finish.add(seq.seq_id)
+        channel.attach(output, plan)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any):
         if self.mepic_manager is not None:
-            if self.mepic_manager.tier is not None:
-                self.mepic_manager.tier_step_finished(scheduler_output.num_scheduled_tokens)
-            self.mepic_manager.step_finished()
+            self.mepic_manager.step_finished(scheduler_output.num_scheduled_tokens)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._finished_at_arrival:
             self._emit_finished_at_arrival(outputs)

@@ -31,9 +31,9 @@ from ascend_mepic.ops import PagedRopeMetadata, rope_paged_attention, write_kv
 from ascend_mepic.ops.layout import cache_view
 from ascend_mepic.ops.rope import RopeSpec
 from ascend_mepic.vllm_integration.channel import StepPlanError
-from ascend_mepic.vllm_integration.runner import STEP_NOT_PLACED
+from ascend_mepic.vllm_integration.runner_internals import STEP_NOT_PLACED
 from ascend_mepic.worker import blend, step
-from ascend_mepic.worker.rope import registered_rope
+from ascend_mepic.worker.nope_rotary import registered_rope
 from ascend_mepic.worker.step import StepInputs
 
 

@@ -13,7 +13,7 @@ from ascend_mepic.core.models import check_model_supported
 from ascend_mepic.vllm_integration.version import check_vllm_version
 from ascend_mepic.worker.attention import register_backend
 from ascend_mepic.worker.model_runner import MepicCPUModelRunner
-from ascend_mepic.worker.rope import install_nope_rope
+from ascend_mepic.worker.nope_rotary import install_nope_rope
 
 
 class MepicCPUWorker(CPUWorker):

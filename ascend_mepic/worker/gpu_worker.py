@@ -21,7 +21,7 @@ from ascend_mepic.vllm_integration.engine_config import V2_RUNNER_ENV, MepicStar
 from ascend_mepic.vllm_integration.version import check_vllm_version
 from ascend_mepic.worker.cuda_attention import register_cuda_backend
 from ascend_mepic.worker.model_runner import MepicRunnerMixin
-from ascend_mepic.worker.rope import install_nope_rope
+from ascend_mepic.worker.nope_rotary import install_nope_rope
 
 
 class MepicGPUModelRunner(MepicRunnerMixin, GPUModelRunner):

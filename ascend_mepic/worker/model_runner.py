@@ -29,14 +29,14 @@ from ascend_mepic.tier.host_store import StoredChunk, host_store
 from ascend_mepic.tier.worker_io import WorkerTier
 from ascend_mepic.vllm_integration import channel
 from ascend_mepic.vllm_integration.channel import StepPlanError
-from ascend_mepic.vllm_integration.runner import (
+from ascend_mepic.vllm_integration.runner_internals import (
     STEP_NOT_PLACED,
     check_block_table,
     hand_step_tables,
     widen_block_table,
 )
 from ascend_mepic.worker import blend, step
-from ascend_mepic.worker.rope import record_model_rope
+from ascend_mepic.worker.nope_rotary import record_model_rope
 from ascend_mepic.worker.step import StepInputs
 from ascend_mepic.worker.token_map import TokenMap
 from ascend_mepic.worker.token_pool import TokenMapPool
@@ -87,8 +87,8 @@ class MepicRunnerMixin:
 
     def may_reinitialize_input_batch(self, kv_cache_config, *args, **kwargs):
         """vLLM's (or vllm-ascend's) input batch, with block-table rows as wide as MEPIC's
-        tables (``core.request_limits``; ``vllm_integration.runner.widen_block_table`` says
-        why)."""
+        tables (``core.request_limits``; ``vllm_integration.runner_internals.widen_block_table``
+        says why)."""
         out = super().may_reinitialize_input_batch(kv_cache_config, *args, **kwargs)
         if self.mepic_enabled:
             table = self.input_batch.block_table[0]

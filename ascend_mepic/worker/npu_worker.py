@@ -36,7 +36,7 @@ from ascend_mepic.ops import select_impl
 from ascend_mepic.vllm_integration.ascend import block_major_buffer, use_attention_backend
 from ascend_mepic.vllm_integration.version import check_vllm_version
 from ascend_mepic.worker.model_runner import MepicRunnerMixin
-from ascend_mepic.worker.rope import install_nope_rope, registered_rope
+from ascend_mepic.worker.nope_rotary import install_nope_rope, registered_rope
 
 logger = logging.getLogger(__name__)
 

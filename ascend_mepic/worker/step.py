@@ -3,8 +3,8 @@
 vLLM's builders see only ``CommonAttentionMetadata``, which has no request identities, while a
 MEPIC request's tokens need their padded indices and each request's per-block position table.
 The runner computes those right after preparing the step's inputs and hands them to its own
-builders (``vllm_integration.runner.hand_step_tables``); a builder checks they describe the
-batch it is building for and refuses the step otherwise.
+builders (``vllm_integration.runner_internals.hand_step_tables``); a builder checks they
+describe the batch it is building for and refuses the step otherwise.
 """
 
 from __future__ import annotations

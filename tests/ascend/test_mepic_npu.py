@@ -237,7 +237,7 @@ def test_nope_rope_replaces_vllm_ascends_rotary_ops(monkeypatch, vllm_config):
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm_ascend.utils import register_ascend_customop
 
-    from ascend_mepic.worker import rope
+    from ascend_mepic.worker import nope_rotary as rope
 
     monkeypatch.setattr("vllm.model_executor.custom_op.op_registry_oot", dict(op_registry_oot))
     registry = dict(op_registry_oot)

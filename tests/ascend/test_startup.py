@@ -96,7 +96,7 @@ def test_block_table_split_is_refused_under_vllm_ascends_attribute_name():
     from vllm_ascend.worker.block_table import BlockTable
 
     from ascend_mepic.vllm_integration.channel import StepPlanError
-    from ascend_mepic.vllm_integration.runner import check_block_table
+    from ascend_mepic.vllm_integration.runner_internals import check_block_table
 
     source = inspect.getsource(BlockTable.__init__)
     assert "self.blocks_per_phys_block =" in source and "blocks_per_kv_block" not in source

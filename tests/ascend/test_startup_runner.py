@@ -80,7 +80,7 @@ def test_mepic_backend_and_nope_rotary_are_what_the_runner_built(runner):
 
 def test_kv_allocated_by_vllm_ascend_is_addressable_by_mepic(runner):
     from ascend_mepic.vllm_integration.ascend import kv_pair_view
-    from ascend_mepic.vllm_integration.runner import check_block_table
+    from ascend_mepic.vllm_integration.runner_internals import check_block_table
 
     assert len(runner.kv_caches) == runner.model_config.hf_config.num_hidden_layers
     k, v = runner.kv_caches[0]

@@ -51,7 +51,7 @@ def runner(head128_model):
 
     from ascend_mepic.worker.cuda_attention import register_cuda_backend
     from ascend_mepic.worker.gpu_worker import MepicGPUModelRunner, check_worker_config
-    from ascend_mepic.worker.rope import install_nope_rope
+    from ascend_mepic.worker.nope_rotary import install_nope_rope
 
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_USE_FLASHINFER_SAMPLER", "0")

@@ -48,8 +48,8 @@ from ascend_mepic.entrypoints.server.registry import (
     chunk_ref_id,
 )
 from ascend_mepic.entrypoints.server.routes import router
-from ascend_mepic.entrypoints.server.segments import MepicRequestError, marked_text_segments
 from ascend_mepic.entrypoints.server.service import MepicService
+from ascend_mepic.entrypoints.server.text_segments import MepicRequestError, marked_text_segments
 
 __all__ = [
     "ChunkRegistry",

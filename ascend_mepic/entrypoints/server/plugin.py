@@ -14,7 +14,7 @@ from ascend_mepic.config import MepicConfig
 from ascend_mepic.entrypoints.server.metrics import register_stats_collector
 from ascend_mepic.entrypoints.server.routes import router
 from ascend_mepic.entrypoints.server.service import MepicService
-from ascend_mepic.vllm_integration.routes import include_router_replacing
+from ascend_mepic.vllm_integration.route_override import include_router_replacing
 
 logger = logging.getLogger(__name__)
 

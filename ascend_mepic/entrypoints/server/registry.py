@@ -10,7 +10,7 @@ import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from ascend_mepic.entrypoints.server.segments import CHUNK_REF_CLOSE, CHUNK_REF_OPEN
+from ascend_mepic.entrypoints.server.text_segments import CHUNK_REF_CLOSE, CHUNK_REF_OPEN
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from ascend_mepic.core.segments import LayoutError
 from ascend_mepic.entrypoints.server.metrics import read_stats
 from ascend_mepic.entrypoints.server.protocol import ChunkCreate
 from ascend_mepic.entrypoints.server.responses import error_json
-from ascend_mepic.entrypoints.server.segments import MepicRequestError
 from ascend_mepic.entrypoints.server.service import MepicService
+from ascend_mepic.entrypoints.server.text_segments import MepicRequestError
 
 router = APIRouter()
 

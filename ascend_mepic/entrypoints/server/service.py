@@ -50,7 +50,7 @@ from ascend_mepic.entrypoints.server.responses import (
     event_data,
     is_finished_with_error_event,
 )
-from ascend_mepic.entrypoints.server.segments import (
+from ascend_mepic.entrypoints.server.text_segments import (
     MepicRequestError,
     chat_messages,
     check_fits,
