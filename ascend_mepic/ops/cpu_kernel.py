@@ -1,4 +1,5 @@
-"""The native CPU kernel (``csrc/cpu/rope_paged_attention.cpp``): build, load and call it.
+"""The native CPU kernel (``csrc/cpu/``: ``SOURCES``, with the headers they include): build, load
+and call it.
 
 The kernel is a torch extension registered as ``torch.ops.ascend_mepic.rope_paged_attention``.
 It is compiled only by ``build()``: ``make setup`` and ``python -m ascend_mepic.ops.cpu_kernel``
@@ -6,7 +7,7 @@ run it, once per torch version and environment, one library per instruction set 
 ``load()`` takes the best the CPU runs), into ``~/.cache/ascend_mepic/torch_extensions``
 (override with ``ASCEND_MEPIC_EXT_DIR``), and record what they built in a stamp. The serving path
 (``load()``, reached from the attention forward) never compiles: it loads the library the stamp
-names if the stamp matches this source and torch, and otherwise logs why at once and returns
+names if the stamp matches these sources and torch, and otherwise logs why at once and returns
 False, so the CPU path runs the torch reference (the oracle): correct, only slower. Compiling in
 the serving path made every engine of a machine wait on torch's build lock, forever when a build
 had been killed and left the lock behind.
@@ -14,15 +15,19 @@ had been killed and left the lock behind.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -32,7 +37,22 @@ from ascend_mepic.ops.rope import RopeSpec
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "rope_paged_attention.cpp"
+SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
+# The translation units of every library, each compiled to an object by its own compiler
+# process (side by side, in this order: the longest compiles first), then linked together; the
+# headers they include (one per instruction set, the AMX emulation, ...) sit beside them. Only
+# the units that need torch include it, each the least of it that serves. Every file in
+# SOURCE_DIR is in the build's fingerprint, so a change to any of them makes the build stale.
+SOURCES = tuple(
+    SOURCE_DIR / name
+    for name in (
+        "rope_paged_attention.cpp",  # the attention op and the headers of its paths
+        "bindings.cpp",  # the torch op registrations (torch/library.h: the second longest)
+        "write_kv.cpp",  # the KV cache write
+        "dispatch.cpp",  # AMX detection and switch, isa() (no torch)
+        "guard.cpp",  # the guard build's registry (no torch; empty in other builds)
+    )
+)
 EXT_NAME = "ascend_mepic_cpu"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 COMMON_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
@@ -70,10 +90,28 @@ def build_dir() -> Path:
     return base / f"torch-{torch.__version__}-{py}-env-{env}"
 
 
+def source_sha256() -> str:
+    """One hash of every file in ``SOURCE_DIR`` (units and headers, names and contents): editing,
+    adding, removing or renaming any of them changes it."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in SOURCE_DIR.iterdir() if p.is_file()):
+        digest.update(path.name.encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def missing_sources() -> str | None:
+    """Why the sources cannot be built (``None`` when they are all there)."""
+    missing = [p.name for p in SOURCES if not p.is_file()]
+    if missing:
+        return f"{SOURCE_DIR} lacks {missing} (install the repository editable)"
+    return None
+
+
 def fingerprint() -> dict[str, object]:
-    """What a build depends on: the source, torch and the flags."""
+    """What a build depends on: the sources (all of ``SOURCE_DIR``), torch and the flags."""
     return {
-        "source_sha256": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
+        "source_sha256": source_sha256(),
         "torch": torch.__version__,
         "cflags": {name: [*COMMON_CFLAGS, *flags] for name, (flags, _) in VARIANTS.items()},
     }
@@ -111,8 +149,9 @@ def choose_variant(flags: frozenset[str] | None = None) -> tuple[str | None, str
 def prebuilt() -> tuple[Path | None, str]:
     """The library a current build left in ``build_dir()``, or ``None`` and why; never compiles."""
     directory = build_dir()
-    if not SOURCE.is_file():
-        return None, f"{SOURCE} is missing (install the repository editable)"
+    missing = missing_sources()
+    if missing:
+        return None, missing
     try:
         stamp = json.loads((directory / STAMP).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -148,56 +187,139 @@ def _build_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _compile_command(variant: str, output: Path, defines: tuple[str, ...] = ()) -> list[str]:
-    """One compiler call building a variant's library (no Python module, no ninja); ``defines``
-    (such as ``MEPIC_CPU_GUARD``, the tests' guard build) are added as ``-D`` flags."""
+def _unit_command(
+    variant: str, source: Path, obj: Path, defines: tuple[str, ...] = ()
+) -> list[str]:
+    """The compiler call that makes one unit's object for a variant's library; ``defines`` (such
+    as ``MEPIC_CPU_GUARD``, the tests' guard build, or ``MEPIC_AMX_EMULATE``) are added as
+    ``-D`` flags, the same for every unit."""
     from torch.utils import cpp_extension
 
     flags, _ = VARIANTS[variant]
     abi = int(torch.compiled_with_cxx11_abi())
     includes = [arg for path in cpp_extension.include_paths() for arg in ("-isystem", path)]
+    return [
+        os.environ.get("CXX", "c++"), "-c", "-fPIC", "-std=c++20", *COMMON_CFLAGS, *flags,
+        f"-DMEPIC_VARIANT={variant}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-D{name}" for name in defines), *includes, str(source), "-o", str(obj),
+    ]  # fmt: skip
+
+
+def _link_command(variant: str, objects: Sequence[Path], output: Path) -> list[str]:
+    """The compiler call that links a variant's objects (in ``SOURCES`` order) into its library."""
+    from torch.utils import cpp_extension
+
+    flags, _ = VARIANTS[variant]
     libs = [f"-L{path}" for path in cpp_extension.library_paths()]
     return [
         os.environ.get("CXX", "c++"), "-shared", "-fPIC", "-std=c++20", *COMMON_CFLAGS, *flags,
-        f"-DMEPIC_VARIANT={variant}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        *(f"-D{name}" for name in defines), *includes,
-        str(SOURCE), *libs, "-lc10", "-ltorch_cpu", "-o", str(output),
+        *(str(obj) for obj in objects), *libs, "-lc10", "-ltorch_cpu", "-o", str(output),
+    ]  # fmt: skip
+
+
+def _run(command: list[str], verbose: bool) -> tuple[bool, str]:
+    """Runs one compiler call: whether it succeeded, and what it printed."""
+    if verbose:
+        print(" ".join(command), file=sys.stderr)
+    try:
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    except OSError as exc:  # no compiler
+        return False, f"{command[0]}: {exc}"
+    return done.returncode == 0, done.stdout
+
+
+def _compile(
+    targets: Sequence[tuple[str, Path, tuple[str, ...]]], verbose: bool = False
+) -> dict[Path, str]:
+    """Builds each target (variant, output, defines): every unit of every target is compiled to an
+    object by its own compiler process, as many at once as this process may use CPUs (each
+    target's attention unit first), then each target whose units all compiled is linked. The
+    objects go to a private folder beside the output (removed after), so builds running at once
+    never share one. Returns why each failed target failed (the file that did not compile and
+    what the compiler said); a failed target leaves no output."""
+    workers = max(1, len(os.sched_getaffinity(0)))
+    failures: dict[Path, str] = {}
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(workers) as pool:
+        objects: dict[Path, list[Path]] = {}
+        for _, output, _ in targets:
+            temp = tempfile.TemporaryDirectory(
+                prefix=f".{output.name}.", suffix=".objs", dir=output.parent
+            )
+            folder = Path(stack.enter_context(temp))
+            objects[output] = [folder / f"{source.stem}.o" for source in SOURCES]
+        compiles = {}
+        for index, source in enumerate(SOURCES):  # unit by unit: the longest first
+            for variant, output, defines in targets:
+                command = _unit_command(variant, source, objects[output][index], defines)
+                compiles[(output, source)] = pool.submit(_run, command, verbose)
+        links = {}
+        for variant, output, _ in targets:
+            errors = []
+            for source in SOURCES:
+                ok, log = compiles[(output, source)].result()
+                if not ok:
+                    errors.append(f"{variant}: {source.name} did not compile:\n{log[-4000:]}")
+            if errors:
+                failures[output] = "\n".join(errors)
+            else:
+                command = _link_command(variant, objects[output], output)
+                links[(variant, output)] = pool.submit(_run, command, verbose)
+        for (variant, output), link in links.items():
+            ok, log = link.result()
+            if not ok:
+                failures[output] = f"{variant}: {output.name} did not link:\n{log[-4000:]}"
+                output.unlink(missing_ok=True)
+    return failures
+
+
+def compile_library(
+    variant: str, output: Path, defines: tuple[str, ...] = (), verbose: bool = False
+) -> Path:
+    """Builds one variant's library into ``output`` (no stamp; raises on failure), with
+    ``defines`` such as ``MEPIC_CPU_GUARD`` or ``MEPIC_AMX_EMULATE``: the tests' builds."""
+    output = Path(output)
+    failures = _compile([(variant, output, tuple(defines))], verbose)
+    if failures:
+        raise RuntimeError("the CPU kernel did not compile:\n" + "\n".join(failures.values()))
+    return output
+
+
+def _compile_command(variant: str, output: Path, defines: tuple[str, ...] = ()) -> list[str]:
+    """One command building one variant's library into ``output`` (``compile_library`` in a
+    fresh Python): for callers that run the build as a subprocess. In-process callers can call
+    ``compile_library`` directly and save the interpreter's start."""
+    return [
+        sys.executable, "-m", "ascend_mepic.ops.cpu_kernel", "--library", str(output),
+        "--variant", variant, *(f"-D{name}" for name in defines),
     ]  # fmt: skip
 
 
 def build(verbose: bool = False) -> Path:
     """Compile every variant into ``build_dir()`` and stamp them (raises on failure); returns the
     library this CPU loads. For set-up (``make setup``, ``python -m ascend_mepic.ops.cpu_kernel``),
-    never the serving path. Every variant is built wherever the compiler can (the variants
-    compile side by side), so a build folder shared by machines serves each its best variant.
-    Nothing is loaded while building: two variants register the same ops."""
-    if not SOURCE.is_file():
-        raise FileNotFoundError(f"{SOURCE} is missing (install the repository editable)")
+    never the serving path. Every variant is built wherever the compiler can (the variants'
+    units compile side by side), so a build folder shared by machines serves each its best
+    variant. Nothing is loaded while building: two variants register the same ops."""
+    missing = missing_sources()
+    if missing:
+        raise FileNotFoundError(missing)
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     with _build_lock(directory):
         (directory / STAMP).unlink(missing_ok=True)
-        jobs: dict[str, tuple[subprocess.Popen[str], Path]] = {}
-        for variant in VARIANTS:
-            output = directory / f"{EXT_NAME}_{variant}.so"
-            partial = output.with_name(f"{output.name}.{os.getpid()}.tmp")
-            command = _compile_command(variant, partial)
-            if verbose:
-                print(" ".join(command), file=sys.stderr)
-            process = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-            jobs[variant] = (process, partial)
-        failures = []
-        for variant, (process, partial) in jobs.items():
-            log, _ = process.communicate()
-            if process.returncode != 0:
-                failures.append(f"{variant}: {log[-4000:]}")
-                partial.unlink(missing_ok=True)
-            else:
+        # What a killed build left (every builder of this folder holds the lock).
+        for stale in directory.glob(f".{EXT_NAME}_*.objs"):
+            shutil.rmtree(stale, ignore_errors=True)
+        for stale in directory.glob(f"{EXT_NAME}_*.so.*.tmp"):
+            stale.unlink(missing_ok=True)
+        pid = os.getpid()
+        partials = {v: directory / f"{EXT_NAME}_{v}.so.{pid}.tmp" for v in VARIANTS}
+        failures = _compile([(v, partial, ()) for v, partial in partials.items()], verbose)
+        for variant, partial in partials.items():
+            if partial not in failures:
                 os.replace(partial, directory / f"{EXT_NAME}_{variant}.so")
         if failures:
-            raise RuntimeError("the CPU kernel did not compile:\n" + "\n".join(failures))
+            raise RuntimeError("the CPU kernel did not compile:\n" + "\n".join(failures.values()))
         stamp = {**fingerprint(), "libraries": {v: f"{EXT_NAME}_{v}.so" for v in VARIANTS}}
         tmp = directory / f"{STAMP}.{os.getpid()}"
         tmp.write_text(json.dumps(stamp, indent=1), encoding="utf-8")
@@ -318,13 +440,31 @@ def rope_paged_attention_cpu(
     return out
 
 
-def main() -> int:
-    """Build (or confirm) the kernel for this environment and load it."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """Build (or confirm) the kernel for this environment and load it; with ``--library``, only
+    build one variant's library into that file (the tests' guard and emulation builds)."""
+    parser = argparse.ArgumentParser(prog="python -m ascend_mepic.ops.cpu_kernel")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the build is current")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print the compiler calls")
+    parser.add_argument("--library", type=Path, help="build only this library file (no stamp)")
+    parser.add_argument("--variant", choices=sorted(VARIANTS), help="the --library's variant")
+    parser.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME")
+    args = parser.parse_args(argv)
+    if args.library is not None or args.defines:
+        if args.library is None or args.variant is None:
+            parser.error("--library and --variant go together (and -D only with them)")
+        try:
+            compile_library(args.variant, args.library, tuple(args.defines), args.verbose)
+        except Exception as exc:  # a compiler error, a missing toolchain
+            print(f"ascend_mepic CPU kernel: NOT built: {exc}", file=sys.stderr)
+            return 1
+        print(f"ascend_mepic CPU kernel: built {args.library}")
+        return 0
     logging.basicConfig(level=logging.INFO)
     try:
         library, _ = prebuilt()
-        if library is None or "--force" in sys.argv:
-            library = build(verbose="-v" in sys.argv)
+        if library is None or args.force:
+            library = build(verbose=args.verbose)
     except Exception as exc:  # a compiler error, a missing toolchain
         print(f"ascend_mepic CPU kernel: NOT built: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
