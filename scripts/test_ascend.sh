@@ -58,7 +58,7 @@ if [ "${1:-}" = "--lock" ]; then
 fi
 
 # Written to the stamp: a change of the lock or of this recipe rebuilds the environment.
-RECIPE="2 $(sha256sum "$LOCK" | cut -d' ' -f1) $VLLM_ASCEND_BUILD"
+RECIPE="4 $(sha256sum "$LOCK" | cut -d' ' -f1) $VLLM_ASCEND_BUILD"
 
 healthy() {
   [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$RECIPE" ] && "$VENV/bin/python" -c '
@@ -119,8 +119,11 @@ EOF
   #    CPU with its torch, vllm-ascend's runtime and build requirements, triton-ascend (it
   #    declares no dependencies; upstream triton is excluded from the lock), this project's
   #    requirements, the test tools.
+  #    --compile-bytecode on every step: uv writes no .pyc by default, and where
+  #    PYTHONDONTWRITEBYTECODE is set Python never writes them either, so each test process
+  #    compiled vLLM, torch and transformers from source again (see the Makefile's setup).
   "$UV" pip sync -q --python "$VENV/bin/python" --require-hashes --find-links "$TORCH_WHEELS" \
-    "$VENV/cache/synced.txt"
+    --compile-bytecode "$VENV/cache/synced.txt"
 
   # 3. The two sdists, downloaded by uv and checked against the lock's sha256, built against the
   #    environment (--no-build-isolation: an isolated build would install their build
@@ -130,7 +133,7 @@ EOF
   #    build of the suffix-tree extension must find this Python, not the base interpreter.
   CMAKE_ARGS="-DPython_EXECUTABLE=$VENV/bin/python" \
     "$UV" pip install -q --python "$VENV/bin/python" --no-deps --no-build-isolation \
-    --require-hashes -r "$VENV/cache/arctic-inference.txt"
+    --compile-bytecode --require-hashes -r "$VENV/cache/arctic-inference.txt"
   #    vllm-ascend without CANN: COMPILE_CUSTOM_KERNELS=0 makes its setup.py skip the AscendC /
   #    ACLNN kernels and the CMake extension (so no vllm_ascend_C, no torch.ops._C_ascend), and
   #    SOC_VERSION (no npu-smi here) makes it write vllm_ascend/_build_info.py
@@ -138,10 +141,11 @@ EOF
   #    entry points (vllm.platform_plugins: ascend, and the vllm.general_plugins).
   env $VLLM_ASCEND_BUILD \
     "$UV" pip install -q --python "$VENV/bin/python" --no-deps --no-build-isolation \
-    --require-hashes -r "$VENV/cache/vllm-ascend.txt"
+    --compile-bytecode --require-hashes -r "$VENV/cache/vllm-ascend.txt"
 
   # 4. This project, editable (its requirements are in the lock).
-  "$UV" pip install -q --python "$VENV/bin/python" --no-deps --no-build-isolation -e "$ROOT"
+  "$UV" pip install -q --python "$VENV/bin/python" --no-deps --no-build-isolation \
+    --compile-bytecode -e "$ROOT"
 
   "$VENV/bin/python" -c '
 import importlib.metadata as md, triton
