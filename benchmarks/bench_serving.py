@@ -43,8 +43,8 @@ def worker(job: dict) -> dict:
 
     from ascend_mepic.core.markers import TextSegment, tokenize_segments
     from ascend_mepic.core.segments import SegmentKind
-    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs
     from ascend_mepic.eval.trace import squad_trace
+    from ascend_mepic.offline import mepic_llm_kwargs
 
     tok = AutoTokenizer.from_pretrained(job["model"])
     lines = list(
@@ -84,7 +84,7 @@ def measure(generate: Callable[[list, list], Sequence], reqs: list, warm: list, 
     its time counts: a refused request ends the job with the reason, never with a number."""
     from vllm import SamplingParams
 
-    from ascend_mepic.entrypoints.offline import segment_request
+    from ascend_mepic.offline import segment_request
 
     label = f"{job.get('config', 'mepic' if job['mepic'] else 'stock')}, {job['chunks']} paragraphs"
     one = SamplingParams(temperature=0.0, max_tokens=1)

@@ -35,7 +35,7 @@ def ttft(generate: Callable[[list, list], Sequence], segments: list, what: str) 
     request raises with the reason instead of being timed."""
     from vllm import SamplingParams
 
-    from ascend_mepic.entrypoints.offline import segment_request
+    from ascend_mepic.offline import segment_request
 
     prompt, params = segment_request(segments, SamplingParams(temperature=0.0, max_tokens=1))
     return timed_generate(generate, [prompt], [params], what)[1]
@@ -45,9 +45,9 @@ def worker(job: dict) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM
 
-    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs
     from ascend_mepic.eval.squad_prompts import chat_segments
     from ascend_mepic.eval.trace import squad_requests
+    from ascend_mepic.offline import mepic_llm_kwargs
 
     tok = AutoTokenizer.from_pretrained(job["model"])
     llm = LLM(

@@ -49,7 +49,7 @@ def close(llm) -> None:
 
 
 def build_llm(job: dict, LLM):
-    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs
+    from ascend_mepic.offline import mepic_llm_kwargs
 
     kwargs = {"scheduler_cls": job["scheduler_cls"]} if job.get("scheduler_cls") else {}
     if job["mepic"]:
@@ -71,7 +71,7 @@ def serve_job(job: dict, llm) -> dict:
     from vllm import SamplingParams
 
     from ascend_mepic.core.segments import Segment, SegmentKind
-    from ascend_mepic.entrypoints.offline import generate_segments
+    from ascend_mepic.offline import generate_segments
 
     params = SamplingParams(
         temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=job.get("logprobs", 5)

@@ -337,4 +337,3 @@ def test_policy_matches_reference(model_id, block_size, check, engine_runs, refe
             assert worst < REF_TOL, (policy, step, worst)
         # The reference tells the policy from full recompute here, so the check above can fail.
         assert (want[0] - ref.logprobs(req, "full")[0]).abs().max() > 10 * REF_TOL
-

@@ -76,7 +76,7 @@ class EmulatedEngine:
     def __init__(self, model: str, dtype: str, policy: str) -> None:
         from vllm import LLM, SamplingParams
 
-        from ascend_mepic.entrypoints.offline import mepic_llm_kwargs
+        from ascend_mepic.offline import mepic_llm_kwargs
 
         kwargs = {**mepic_llm_kwargs(policy=policy), "worker_cls": WORKER_CLS}
         assert kwargs["enforce_eager"] and kwargs["async_scheduling"] is False  # NPU defaults
@@ -95,7 +95,7 @@ class EmulatedEngine:
         return self.llm.llm_engine.engine_core.engine_core
 
     def generate(self, requests: list[list[Segment]]) -> list[dict]:
-        from ascend_mepic.entrypoints.offline import generate_segments
+        from ascend_mepic.offline import generate_segments
 
         outs = generate_segments(self.llm, requests, self.params)
         return [

@@ -129,7 +129,7 @@ def test_mepic_classes_subclass_vllm_ascends():
 
 
 def test_worker_class_for_this_platform_is_the_npu_worker():
-    from ascend_mepic.entrypoints.offline import worker_cls_for_platform
+    from ascend_mepic.offline import worker_cls_for_platform
     from ascend_mepic.vllm_integration.class_names import NPU_WORKER_CLS
 
     assert worker_cls_for_platform() == NPU_WORKER_CLS
@@ -140,8 +140,8 @@ def test_worker_class_for_this_platform_is_the_npu_worker():
 def test_mepic_entry_points_pick_the_npu_worker_in_eager_mode():
     from argparse import Namespace
 
-    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs
     from ascend_mepic.entrypoints.server.launch import apply_mepic_defaults
+    from ascend_mepic.offline import mepic_llm_kwargs
     from ascend_mepic.vllm_integration.class_names import NPU_WORKER_CLS
 
     kwargs = mepic_llm_kwargs(policy="mepic")

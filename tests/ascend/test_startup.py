@@ -46,7 +46,7 @@ def test_additional_config_mepic_key_starts_on_vllm_ascend(tiny_model):
 
 
 def test_offline_kwargs_start_on_vllm_ascend(tiny_model):
-    from ascend_mepic.entrypoints.offline import NPU_WORKER_CLS, mepic_llm_kwargs
+    from ascend_mepic.offline import NPU_WORKER_CLS, mepic_llm_kwargs
 
     config = _engine_config(tiny_model, **mepic_llm_kwargs(policy="epic-16"))
     assert config.parallel_config.worker_cls == NPU_WORKER_CLS

@@ -101,7 +101,7 @@ def test_one_switch_selects_mepic_on_every_generation(gpu, entry, head128_model)
     from vllm.config import CUDAGraphMode
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs
+    from ascend_mepic.offline import mepic_llm_kwargs
     from ascend_mepic.worker.cuda_attention import MepicCudaAttentionBackend
 
     if entry == "additional_config":  # vllm serve MODEL --additional-config '{"mepic": {}}'

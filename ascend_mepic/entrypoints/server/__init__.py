@@ -27,20 +27,23 @@ The package, one job per module:
 * ``service``: :class:`MepicService`, the request path from an HTTP body to vLLM's handlers;
 * ``metrics``: the engine's stats file and its Prometheus collector;
 * ``routes``: the FastAPI router;
-* ``plugin``: :class:`MepicEndpointPlugin`, the ``vllm.endpoint_plugins`` entry;
+* ``endpoint_plugin``: :class:`MepicEndpointPlugin`, the ``vllm.endpoint_plugins`` entry;
 * ``launch``: ``ascend-mepic serve``.
 
 This ``__init__`` re-exports the names other code imports, and keeps the entry point
 ``ascend_mepic.entrypoints.server:MepicEndpointPlugin`` resolving.
 """
 
+from ascend_mepic.entrypoints.server.endpoint_plugin import (
+    MepicEndpointPlugin,
+    mepic_config_from_args,
+)
 from ascend_mepic.entrypoints.server.launch import (
     allow_mepic_plugins,
     apply_mepic_defaults,
     endpoint_plugin_installed,
     serve,
 )
-from ascend_mepic.entrypoints.server.plugin import MepicEndpointPlugin, mepic_config_from_args
 from ascend_mepic.entrypoints.server.registry import (
     ChunkRegistry,
     RegisteredChunk,

@@ -13,12 +13,12 @@ from collections.abc import MutableMapping, Sequence
 from importlib.metadata import distributions, entry_points
 
 from ascend_mepic.config import MepicConfig
-from ascend_mepic.entrypoints.offline import worker_cls_for_platform
-from ascend_mepic.entrypoints.server.plugin import (
+from ascend_mepic.entrypoints.server.endpoint_plugin import (
     ENDPOINT_ENTRY_POINT,
     ENDPOINT_PLUGINS_GROUP,
     PLUGIN_NAME,
 )
+from ascend_mepic.offline import worker_cls_for_platform
 from ascend_mepic.vllm_integration.class_names import (
     CPU_WORKER_CLS,
     NPU_WORKER_CLS,

@@ -131,8 +131,8 @@ def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     from ascend_mepic.core.segments import Segment, SegmentKind
-    from ascend_mepic.entrypoints.offline import mepic_llm_kwargs, segment_request
     from ascend_mepic.eval.bench.stats import poisson_arrivals
+    from ascend_mepic.offline import mepic_llm_kwargs, segment_request
 
     policy = job["policy"]
     tok = AutoTokenizer.from_pretrained(job["model"])
