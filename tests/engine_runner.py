@@ -18,14 +18,18 @@ first, one ``generate`` call each, each expected to raise ``VLLMValidationError`
 or None where it did not raise, is reported in ``refused``).
 """
 
-import gc
 import json
 import sys
 import traceback
 
 
 def run_job(job: dict) -> dict:
-    """One job on a fresh engine, shut down before returning (also when the job fails)."""
+    """One job on a fresh engine, shut down before returning (also when the job fails). A job
+    ``{"bench": ..., "mepic": ...}`` is a benchmark job, run by ``eval.bench.runner.run``."""
+    if "bench" in job:
+        from ascend_mepic.eval.bench.runner import run
+
+        return run(job["bench"])
     from vllm import LLM
 
     llm = None
@@ -38,14 +42,12 @@ def run_job(job: dict) -> dict:
 
 
 def close(llm) -> None:
-    """Shut an in-process engine down and free its KV cache, as vLLM's own tests do between
-    engines in one process."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
+    """Shut an in-process engine down. The core's shutdown tears the distributed state down and
+    collects garbage (``cleanup_dist_env_and_memory``); the rest of the engine goes with its last
+    reference, or at the next engine's start-up, which collects before it freezes its heap. No
+    collection of its own: each full one walks torch's and vLLM's import heap, which was most of
+    a job's time on CPU."""
     llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
 
 
 def build_llm(job: dict, LLM):

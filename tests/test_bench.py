@@ -141,9 +141,11 @@ def test_poisson_arrivals_seeded_and_increasing():
 
 def test_runner_drives_the_real_engine_at_block_16():
     """One bench job per engine kind on the tiny model: MEPIC at the paper's block size 16, and
-    the stock prefix baseline rounded up to the 32 its CPU attention needs."""
-    from ascend_mepic.eval.bench.runner import run_in_subprocess
+    the stock prefix baseline rounded up to the 32 its CPU attention needs. The jobs run in the
+    engine hosts (``run``, as the job's own process would); ``run_in_subprocess``, which `bench
+    compare` uses, runs in ``tests/test_data_streams.py``."""
     from ascend_mepic.eval.prepare import prepare_tiny_llama
+    from tests.engine_host import run_engine
 
     job = {
         "model": str(prepare_tiny_llama()),
@@ -158,7 +160,9 @@ def test_runner_drives_the_real_engine_at_block_16():
         "max_model_len": 2048,
         "progress": False,
     }
-    raws = {p: run_in_subprocess({**job, "policy": p}) for p in ("full", "mepic", "prefix")}
+    policies = ("full", "mepic", "prefix")
+    raws = {p: run_engine({"mepic": p != "prefix", "bench": {**job, "policy": p}})
+            for p in policies}  # fmt: skip
     assert raws["mepic"]["block_size"] == 16 and raws["prefix"]["block_size"] == 32
     for raw in raws.values():
         assert all(r["finish_s"] is not None for r in raw["per_request"])

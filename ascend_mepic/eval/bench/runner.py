@@ -127,12 +127,11 @@ def check_run(recs: list[dict], job: dict) -> None:
 
 
 def run(job: dict) -> dict:
+    """One benchmark job on an engine of its own, shut down before returning."""
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
-    from ascend_mepic.core.segments import Segment, SegmentKind
-    from ascend_mepic.eval.bench.stats import poisson_arrivals
-    from ascend_mepic.offline import mepic_llm_kwargs, segment_request
+    from ascend_mepic.offline import mepic_llm_kwargs
 
     policy = job["policy"]
     tok = AutoTokenizer.from_pretrained(job["model"])
@@ -151,6 +150,23 @@ def run(job: dict) -> dict:
         seed=0,
         **kwargs,
     )
+    try:
+        return _measure(job, llm, tok, requests, block_size)
+    finally:  # a process may run several jobs (the test suite's engine hosts)
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _measure(job: dict, llm: Any, tok: Any, requests: list, block_size: int) -> dict:
+    """Warm the engine up, replay the job's Poisson arrivals, and record each request's times,
+    outputs and the pool's use after every step."""
+    from vllm import SamplingParams
+
+    from ascend_mepic.core.segments import Segment, SegmentKind
+    from ascend_mepic.eval.bench.stats import poisson_arrivals
+    from ascend_mepic.offline import segment_request
+
+    policy = job["policy"]
+    stock = policy == "prefix"
     engine = llm.llm_engine
     manager = engine.engine_core.engine_core.scheduler.kv_cache_manager
     pool_blocks = manager.block_pool.num_gpu_blocks - 1  # block 0 is the null block
