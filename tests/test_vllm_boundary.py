@@ -6,8 +6,8 @@ Outside it, code may use vLLM's public API (``PUBLIC``) and the internal modules
 only: a new internal import fails here until it moves into ``vllm_integration/`` or is added to
 the list with its reason, and a module no longer used must leave the list. The list is the
 boundary's debt (issue 47 aims at 12 or fewer): the scheduler and KV manager subclass vLLM's
-core classes, the workers and backends subclass vLLM's and vllm-ascend's, and the server builds
-on vLLM's OpenAI front end.
+core classes, the workers and backends subclass vLLM's and vllm-ascend's. The server reaches
+vLLM's OpenAI front end through ``vllm_integration/openai_api.py`` and ``openai_launcher.py``.
 """
 
 from __future__ import annotations
@@ -62,25 +62,6 @@ ALLOWED: dict[str, str] = {
             "vllm_ascend.worker.worker",
         ],
         "computation: subclasses of vLLM's and vllm-ascend's workers, runners and backends",
-    ),
-    # entrypoints/server/: the OpenAI server is vLLM's, with MEPIC's routes and request path
-    **dict.fromkeys(
-        [
-            "vllm.entrypoints.chat_utils",
-            "vllm.entrypoints.generate.base.protocol",
-            "vllm.entrypoints.launchers.api_server.entry",
-            "vllm.entrypoints.launchers.cli_args",
-            "vllm.entrypoints.openai.chat_completion",
-            "vllm.entrypoints.openai.chat_completion.protocol",
-            "vllm.entrypoints.openai.completion",
-            "vllm.entrypoints.openai.completion.protocol",
-            "vllm.entrypoints.serve.engine.protocol",
-            "vllm.entrypoints.serve.exception_handling.error_response",
-            "vllm.entrypoints.serve.utils.api_utils",
-            "vllm.entrypoints.serve.utils.sse_keep_alive",
-            "vllm.utils.argparse_utils",
-        ],
-        "API: vLLM's OpenAI front end, its protocol types and launcher",
     ),
 }
 

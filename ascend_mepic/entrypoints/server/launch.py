@@ -107,11 +107,15 @@ def serve(argv: Sequence[str]) -> None:
     check_vllm_version()
     allow_mepic_plugins()  # before vLLM reads it anywhere
     import uvloop
-    from vllm.entrypoints.launchers.api_server.entry import run_server
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.platforms import current_platform
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from ascend_mepic.vllm_integration.openai_launcher import (
+        FlexibleArgumentParser,
+        cli_env_setup,
+        make_arg_parser,
+        run_server,
+        validate_parsed_serve_args,
+    )
 
     cli_env_setup()
     parser = make_arg_parser(

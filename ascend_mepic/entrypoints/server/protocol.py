@@ -1,7 +1,8 @@
 """Request bodies of MEPIC's own endpoints (the chunk API), as vLLM keeps its in ``protocol``."""
 
 from pydantic import BaseModel, Field, model_validator
-from vllm.entrypoints.generate.base.protocol import validate_cache_salt
+
+from ascend_mepic.vllm_integration.openai_api import validate_cache_salt
 
 
 class ChunkCreate(BaseModel):

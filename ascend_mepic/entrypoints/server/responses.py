@@ -10,14 +10,15 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from vllm.entrypoints.openai.chat_completion.protocol import (
+from vllm.exceptions import GenerationError
+
+from ascend_mepic.vllm_integration.openai_api import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatMessage,
+    CompletionResponse,
+    create_error_response,
 )
-from vllm.entrypoints.openai.completion.protocol import CompletionResponse
-from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-from vllm.exceptions import GenerationError
 
 
 def error_json(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> JSONResponse:

@@ -11,15 +11,6 @@ from http import HTTPStatus
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
-from vllm.entrypoints.openai.chat_completion import api_router as vllm_chat_api
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-from vllm.entrypoints.openai.completion import api_router as vllm_completion_api
-from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-from vllm.entrypoints.serve.utils.api_utils import (
-    load_aware_call,
-    validate_json_request,
-    with_cancellation,
-)
 
 from ascend_mepic.core.markers import MarkerError
 from ascend_mepic.core.segments import LayoutError
@@ -28,6 +19,15 @@ from ascend_mepic.entrypoints.server.protocol import ChunkCreate
 from ascend_mepic.entrypoints.server.responses import error_json
 from ascend_mepic.entrypoints.server.service import MepicService
 from ascend_mepic.entrypoints.server.text_segments import MepicRequestError
+from ascend_mepic.vllm_integration.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    load_aware_call,
+    validate_json_request,
+    with_cancellation,
+)
+from ascend_mepic.vllm_integration.openai_api import chat_api as vllm_chat_api
+from ascend_mepic.vllm_integration.openai_api import completion_api as vllm_completion_api
 
 router = APIRouter()
 

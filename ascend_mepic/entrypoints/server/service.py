@@ -18,10 +18,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import State
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
-from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-from vllm.entrypoints.serve.utils.sse_keep_alive import with_sse_keep_alive
 from vllm.exceptions import GenerationError
 
 from ascend_mepic.config import MepicConfig
@@ -60,6 +56,14 @@ from ascend_mepic.entrypoints.server.text_segments import (
     marked_text_segments,
     raw_message_text,
     tokenizer_adds_bos,
+)
+from ascend_mepic.vllm_integration.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    load_chat_template,
+    with_sse_keep_alive,
 )
 
 # Chat fields that mean the same in a completion request and travel with a marked chat request.
@@ -104,8 +108,6 @@ class MepicService:
     def __init__(
         self, engine_client: Any, state: State, args: Namespace, config: MepicConfig
     ) -> None:
-        from vllm.entrypoints.chat_utils import load_chat_template
-
         vllm_config = engine_client.vllm_config
         self.engine_client = engine_client
         self.state = state

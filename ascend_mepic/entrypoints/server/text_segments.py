@@ -11,8 +11,6 @@ from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from typing import Any
 
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
 from ascend_mepic.core.errors import MepicCapacityError
 from ascend_mepic.core.markers import MarkerError, Markers, finish_segments, split_marked_text
 from ascend_mepic.core.request_limits import RequestLimits
@@ -22,6 +20,7 @@ from ascend_mepic.core.segments import (
     Segment,
     SegmentKind,
 )
+from ascend_mepic.vllm_integration.openai_api import ChatCompletionRequest
 
 CHUNK_REF_OPEN = "<<<MEPIC_CHUNK_REF:"
 CHUNK_REF_CLOSE = ">>>"
