@@ -1,10 +1,10 @@
 """Print the README's "Supported models" tables from what the tests check (never by hand).
 
 The supported table comes from ``ascend_mepic/eval/support_matrix.py``'s ``SUPPORT_MATRIX``
-(``tests/test_real_geometry.py`` is parametrized from it, so a row is exactly what runs in
+(``tests/engine/test_real_geometry.py`` is parametrized from it, so a row is exactly what runs in
 ``make test``); the refused table
 from ``ascend_mepic/core/models.py``'s ``UNSUPPORTED_KINDS`` and ``REFUSAL_EXAMPLES`` (which
-``tests/test_unsupported_models.py`` builds and checks). ``tests/test_docs.py`` fails when the
+``tests/core/test_unsupported_models.py`` builds and checks). ``tests/test_docs.py`` fails when the
 README's section differs from this output; ``--write`` replaces the section in README.md.
 
     .venv/bin/python scripts/supported_models.py [--write]
@@ -35,7 +35,7 @@ def render() -> str:
 
     lines = [
         "Checked in `make test` at each architecture's published attention geometry (a reduced",
-        "random-weight model made from its config: `tests/test_real_geometry.py`):",
+        "random-weight model made from its config: `tests/engine/test_real_geometry.py`):",
         "",
         "| architecture | published model | attention geometry | checked in the real engine | "
         "block sizes |",
@@ -49,7 +49,7 @@ def render() -> str:
     lines += [
         "",
         "Refused at config time with MEPIC's message naming the reason "
-        "(`tests/test_unsupported_models.py` builds each example's published config):",
+        "(`tests/core/test_unsupported_models.py` builds each example's published config):",
         "",
         "| refused | example models | why |",
         "| --- | --- | --- |",

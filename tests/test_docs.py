@@ -224,8 +224,8 @@ def test_links_between_docs_resolve():
 
 def test_supported_models_table_is_generated_from_the_tests():
     """The README's supported/refused model tables are scripts/supported_models.py's output,
-    which reads the package's support matrix (what tests/test_real_geometry.py checks) and
-    tests/test_unsupported_models.py's examples."""
+    which reads the package's support matrix (what tests/engine/test_real_geometry.py checks) and
+    tests/core/test_unsupported_models.py's examples."""
     import runpy
 
     script = runpy.run_path(str(REPO / "scripts" / "supported_models.py"))

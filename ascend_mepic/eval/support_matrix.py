@@ -1,6 +1,6 @@
 """The support matrix: the published architectures MEPIC is checked on, and which checks run.
 
-Product data, read by ``tests/test_real_geometry.py`` (its engine tests are parametrized from
+Product data, read by ``tests/engine/test_real_geometry.py`` (its engine tests are parametrized from
 ``SUPPORT_MATRIX``, so a row is exactly what runs in ``make test``) and by
 ``scripts/supported_models.py`` (the README's "Supported models" tables are generated from it).
 Each model is the reduced copy of a published model (``eval.prepare.REDUCED_ARCHITECTURES``).

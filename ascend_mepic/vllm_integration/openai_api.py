@@ -3,7 +3,7 @@ handlers and their decorators, its error response and SSE keep-alive (vLLM 0.30.
 
 The server package (``entrypoints/server/``) imports these from here, never from
 ``vllm.entrypoints``: when vLLM moves one, this file changes and the server does not
-(``tests/test_vllm_boundary.py`` holds the line).
+(``tests/vllm_integration/test_vllm_boundary.py`` holds the line).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ steps, each step selects among its own chunk tokens.
 Masks and indices live on the device of the KV cache and hidden states; the runner's host
 candidate rows are copied there once per step, at the check layer, and every size comes from
 host counts, so selection and gates never sync with the device nor copy per layer
-(``tests/test_blend_device.py`` runs them on torch's ``meta`` device to check).
+(``tests/worker/test_blend_device.py`` runs them on torch's ``meta`` device to check).
 """
 
 from __future__ import annotations

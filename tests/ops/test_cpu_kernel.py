@@ -186,7 +186,7 @@ def test_fp32_query_over_bf16_cache(decode):
 
 
 def test_strided_block_major_cache_view():
-    """The cache may be any strided view (the backend's own layout: tests/test_kv_layout.py)."""
+    """The cache may be any strided view (the backend's own layout: tests/ops/test_kv_layout.py)."""
     b = random_batch(6, 32, 4, 2, decode=False)
     block_major = b.kv_cache.transpose(0, 1).contiguous()
     view = block_major.transpose(0, 1)

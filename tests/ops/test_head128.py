@@ -1,5 +1,5 @@
-"""Head size 128, the head size of every model in ``tests/test_real_geometry.py``, for each op
-implementation against the float64 oracle, in fp32 at 1e-5.
+"""Head size 128, the head size of every model in ``tests/engine/test_real_geometry.py``, for
+each op implementation against the float64 oracle, in fp32 at 1e-5.
 
 Here: the GQA ratios of those models (4:1 as 8/2: Mistral-7B, Llama-3.1-8B, Qwen3-8B; 7:1 as
 7/1: Qwen2.5-7B) at block 16 and 128, prefill (scattered queries) and decode, with their RoPE

@@ -110,7 +110,7 @@ def check_rope_rejections():
 
 
 def test_strided_block_major_cache_view():
-    """The cache may be any strided view (the backend's own layout: tests/test_kv_layout.py)."""
+    """The cache may be any strided view (the backend's own layout: tests/ops/test_kv_layout.py)."""
     b = random_batch(3, 32, 8, 2)
     block_major = b.kv_cache.transpose(0, 1).contiguous()  # [nb, 2, B, Hkv, D]
     view = block_major.transpose(0, 1)

@@ -115,7 +115,7 @@ def test_prefill_kernel_on_decode_batch(seed):
 @pytest.mark.parametrize("decode", [False, True])
 def test_serving_backend_cache_layout(decode):
     """The CUDA worker's cache: per block and KV head, K rows then V rows (the layout of
-    ``ops.layout.block_view``, pinned in tests/test_kv_layout.py; built here by hand so
+    ``ops.layout.block_view``, pinned in tests/ops/test_kv_layout.py; built here by hand so
     this interpreter process does not import vLLM)."""
     b = random_batch(8, 32, 6, 3, decode=decode, max_segment=MAX_SEGMENT)
     _, nb, bs, hkv, d = b.kv_cache.shape

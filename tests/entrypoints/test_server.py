@@ -25,7 +25,7 @@ from ascend_mepic.core.markers import MarkerError, segments_from_text
 from ascend_mepic.core.segments import Segment
 from ascend_mepic.eval.prepare import prepare_tiny_llama
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 60
 

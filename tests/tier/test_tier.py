@@ -173,7 +173,7 @@ def test_two_servers_share_chunks_through_redis(model, redis_url, tmp_path):
 
     import httpx
 
-    from tests.test_server import DOCS, fresh_stats, launch_server, marked
+    from tests.entrypoints.test_server import DOCS, fresh_stats, launch_server, marked
 
     _, url = redis_url
     config = {"mepic": {"tier": {"cpu_gib": 0.1, "remote": url, "load": "always"}}}

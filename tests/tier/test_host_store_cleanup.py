@@ -15,7 +15,7 @@ import pytest
 
 from ascend_mepic.tier import host_store as hs
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 OWNER = """
 import sys, time

@@ -1,7 +1,7 @@
 """Config-time model checks on config shapes as vLLM 0.30.0 (transformers 5) loads them.
 
 The end-to-end refusals of published models through ``create_engine_config`` are in
-``tests/test_unsupported_models.py``; these cases cover the shapes one by one.
+``tests/core/test_unsupported_models.py``; these cases cover the shapes one by one.
 """
 
 from types import SimpleNamespace

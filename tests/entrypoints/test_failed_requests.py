@@ -28,7 +28,7 @@ from ascend_mepic.eval import outputs
 from ascend_mepic.eval.bench import fidelity, kernels, runner, stats
 from ascend_mepic.eval.outputs import FailedRequestError, InvalidMeasurementError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script(relative: str) -> ModuleType:

@@ -143,7 +143,7 @@ def test_runner_drives_the_real_engine_at_block_16():
     """One bench job per engine kind on the tiny model: MEPIC at the paper's block size 16, and
     the stock prefix baseline rounded up to the 32 its CPU attention needs. The jobs run in the
     engine hosts (``run``, as the job's own process would); ``run_in_subprocess``, which `bench
-    compare` uses, runs in ``tests/test_data_streams.py``."""
+    compare` uses, runs in ``tests/entrypoints/test_data_streams.py``."""
     from ascend_mepic.eval.prepare import prepare_tiny_llama
     from tests.engine_host import run_engine
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "ascend_mepic.entrypoints.cli"]
 # vLLM's log format ("INFO 11-25 11:34:16 [file.py:83] ...") and ours ("INFO name: ...").
 LOG_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)[ :]")
