@@ -23,7 +23,9 @@ KVCacheCoordinator -> SingleTypeKVCacheManager -> BlockPool:
 * ``RequestIntake`` (request_intake.py): validation, layout, chunk identity, block roles,
   placement and layout-keyed hashes of a request (its ``RequestState``);
 * ``HitLookup`` (hit_lookup.py): prefix-cache and chunk-cache hits;
-* ``Admission`` (admission.py): whole-layout admission, growth, prefix-cache insertion, release;
+* ``Admission`` (admission.py): whole-layout admission, growth, prefix-cache insertion, release,
+  one class per placement chosen once from the policy: ``PackedAdmission`` (shared placement,
+  packed_admission.py) and ``PaddedAdmission`` (private and none, padded_admission.py);
 * ``HostStoreStaging`` / ``TierTransfers`` (chunk_transfers.py): host-store and tier transfers;
 * ``StepRoom`` (step_room.py): the step's compile room and its compiles;
 * ``MepicCounters`` (counters.py), ``KVAccounting`` (kv_accounting.py): counts, metrics;
@@ -52,6 +54,8 @@ from ascend_mepic.core.hit_lookup import HitLookup
 from ascend_mepic.core.identity import ChunkId
 from ascend_mepic.core.kv_accounting import KVAccounting
 from ascend_mepic.core.kv_settings import KVSettings
+from ascend_mepic.core.packed_admission import PackedAdmission
+from ascend_mepic.core.padded_admission import PaddedAdmission
 from ascend_mepic.core.plan import (
     ChunkSave,
     ExtraSequence,
@@ -123,7 +127,9 @@ class MepicKVCacheManager(KVCacheManager):
             model_fingerprint=model_fingerprint,
         )
         self.lookup = HitLookup(**common)
-        self.admission = Admission(
+        # The placement's admission, chosen once: packed (shared placement) or padded.
+        admission_cls = PackedAdmission if self.settings.policy.packed else PaddedAdmission
+        self.admission: Admission = admission_cls(
             **common,
             room=self.room,
             counters=self.counters,
@@ -436,10 +442,8 @@ class MepicKVCacheManager(KVCacheManager):
         st = self._states.get(request.request_id)
         if st is None:
             super().cache_blocks(request, num_computed_tokens)
-        elif st.allocated and self.enable_caching and st.shared:
-            self.admission.cache_packed(request, st, num_computed_tokens)
         elif st.allocated and self.enable_caching:
-            self.admission.cache_private(request, st, st.padded_end(num_computed_tokens))
+            self.admission.cache(request, st, num_computed_tokens)
 
     # ---------------------------------------------------------------- steps and release
 
