@@ -86,7 +86,7 @@ class EngineHost:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
-        os.unlink(self.log.name)
+        Path(self.log.name).unlink(missing_ok=True)  # closed once after a failed job, once at exit
 
 
 def encode(segments) -> dict:
