@@ -60,8 +60,9 @@ class EngineHost:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             while True:
                 if not sel.select(max(0.0, deadline - time.monotonic())):
+                    log = self.tail()
                     self.close()
-                    raise EngineJobError(f"engine job timed out after {timeout} s\n{self.tail()}")
+                    raise EngineJobError(f"engine job timed out after {timeout} s\n{log}")
                 line = self.proc.stdout.readline()
                 if not line:
                     raise EngineJobError(f"engine host exited ({self.proc.wait()})\n{self.tail()}")
@@ -69,8 +70,9 @@ class EngineHost:
                     answer = json.loads(line[len("RESULT") :])
                     break
         if "error" in answer:
+            log = self.tail()  # before close() removes the log
             self.close()
-            raise EngineJobError(f"{answer['error']}\n{self.tail()}")
+            raise EngineJobError(f"{answer['error']}\n{log}")
         return answer["result"]
 
     def tail(self, chars: int = 4000) -> str:
