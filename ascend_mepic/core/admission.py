@@ -68,7 +68,6 @@ class Admission(ABC):
         # Recent admissions' chunk block ids, for operators and tests (bounded).
         self.recent_chunk_blocks: deque[tuple[str, list[list[int]]]] = deque(maxlen=1024)
 
-    @abstractmethod
     def allocate(
         self,
         request: Request,
@@ -81,17 +80,48 @@ class Admission(ABC):
         reserved_blocks: int,
         has_scheduled_reqs: bool,
     ) -> list[KVCacheBlock] | None:
-        """``KVCacheManager.allocate_slots`` for a tracked request: its new blocks, or None."""
+        """``KVCacheManager.allocate_slots`` for a tracked request: its new blocks, or None. The
+        first allocation admits the whole layout, later ones grow it, as the placement does."""
+        total_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_blocks = self._num_blocks(st, total_computed + num_new_tokens + num_lookahead_tokens)
+        if not st.allocated:
+            hits = list(new_computed_blocks.blocks[0]) if new_computed_blocks else []
+            # As vLLM does, keep a watermark free when admitting beside running requests.
+            headroom = reserved_blocks + (self.watermark_blocks if has_scheduled_reqs else 0)
+            new_blocks = self.admit(request, st, hits, num_blocks, headroom)
+        else:
+            new_blocks = self.grow(request, st, num_blocks, reserved_blocks)
+        if new_blocks is not None and not delay_cache_blocks:
+            self.cache(request, st, min(total_computed + num_new_tokens, request.num_tokens))
+        return new_blocks
+
+    @abstractmethod
+    def _num_blocks(self, st: RequestState, num_tokens: int) -> int:
+        """The blocks the request's private table needs for its first ``num_tokens`` tokens
+        (as vLLM counts them)."""
+
+    @abstractmethod
+    def admit(
+        self,
+        request: Request,
+        st: RequestState,
+        hits: list[KVCacheBlock],
+        num_blocks: int,
+        reserved: int,
+    ) -> list[KVCacheBlock] | None:
+        """First allocation: the whole layout at once (``hits`` are its leading prefix-cache
+        hits), or nothing (None: the request keeps waiting)."""
+
+    @abstractmethod
+    def grow(
+        self, request: Request, st: RequestState, num_blocks: int, reserved: int
+    ) -> list[KVCacheBlock] | None:
+        """Later steps (decode, or the rest of a split prefill): more private blocks, or None."""
 
     @abstractmethod
     def cache(self, request: Request, st: RequestState, num_computed_tokens: int) -> None:
         """``KVCacheManager.cache_blocks``: the request's full private blocks up to its first
         ``num_computed_tokens`` (as vLLM counts them) into vLLM's prefix cache."""
-
-    def _headroom(self, reserved_blocks: int, has_scheduled_reqs: bool) -> int:
-        """Blocks a first allocation leaves free: as vLLM does, a watermark beside running
-        requests."""
-        return reserved_blocks + (self.watermark_blocks if has_scheduled_reqs else 0)
 
     def _make_room(self, need: int, reserved: int, protect: list[ChunkEntry]) -> bool:
         """``need`` free blocks beside ``reserved``, evicting idle chunks (not ``protect``) if

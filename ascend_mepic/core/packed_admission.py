@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
 
@@ -35,45 +34,23 @@ from ascend_mepic.vllm_integration.kv_cache import (
 class PackedAdmission(Admission):
     """Shared placement: canonical chunk blocks referenced from the chunk cache."""
 
-    def allocate(
-        self,
-        request: Request,
-        st: RequestState,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: KVCacheBlocks | None,
-        num_lookahead_tokens: int,
-        delay_cache_blocks: bool,
-        reserved_blocks: int,
-        has_scheduled_reqs: bool,
-    ) -> list[KVCacheBlock] | None:
-        total_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_new_tokens += num_lookahead_tokens
+    def _num_blocks(self, st: RequestState, num_tokens: int) -> int:
         # vLLM counts the private stream (in-context tokens, then decode): it is dense, so private
         # blocks follow vLLM's own arithmetic.
-        num_private = -(-(total_computed + num_new_tokens) // self.block_size)
-        if not st.allocated:
-            hits = list(new_computed_blocks.blocks[0]) if new_computed_blocks else []
-            headroom = self._headroom(reserved_blocks, has_scheduled_reqs)
-            new_blocks = self.admit(request, st, hits, num_private, headroom)
-        else:
-            new_blocks = self.grow(request, st, num_private, reserved_blocks)
-        if new_blocks is not None and not delay_cache_blocks:
-            self.cache(request, st, min(total_computed + num_new_tokens, request.num_tokens))
-        return new_blocks
+        return -(-num_tokens // self.block_size)
 
     def admit(
         self,
         request: Request,
         st: RequestState,
         hits: list[KVCacheBlock],
-        num_private: int,
+        num_blocks: int,
         reserved: int,
     ) -> list[KVCacheBlock] | None:
         """First allocation of a packed request: private blocks, chunk placement, the table."""
         layout, bs = st.layout, self.block_size
         n_hit = len(hits)
-        num_private = max(num_private, layout.num_private_blocks)
+        num_private = max(num_blocks, layout.num_private_blocks)
         found = self._residency(st)
         if found is None:
             return None
@@ -252,11 +229,11 @@ class PackedAdmission(Admission):
         return compiles
 
     def grow(
-        self, request: Request, st: RequestState, num_private: int, reserved: int
+        self, request: Request, st: RequestState, num_blocks: int, reserved: int
     ) -> list[KVCacheBlock] | None:
         """Later steps (decode, or the rest of a split prefill): more private blocks, appended
         to the private stream and to the table."""
-        missing = num_private - len(st.private_blocks)
+        missing = num_blocks - len(st.private_blocks)
         if missing <= 0:
             return []
         if not self._make_room(missing, reserved, st.entries):

@@ -7,7 +7,6 @@ under private placement the worker copies the chunk's KV from the host store int
 
 from __future__ import annotations
 
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
 
@@ -28,50 +27,24 @@ from ascend_mepic.vllm_integration.kv_cache import (
 class PaddedAdmission(Admission):
     """Private placement and none: every chunk token in the request's private blocks."""
 
-    def allocate(
-        self,
-        request: Request,
-        st: RequestState,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: KVCacheBlocks | None,
-        num_lookahead_tokens: int,
-        delay_cache_blocks: bool,
-        reserved_blocks: int,
-        has_scheduled_reqs: bool,
-    ) -> list[KVCacheBlock] | None:
-        total_computed = request.num_computed_tokens + num_new_computed_tokens
+    def _num_blocks(self, st: RequestState, num_tokens: int) -> int:
         # The table follows the padded layout; vLLM counts in-context tokens.
-        num_need_slot = min(
-            st.padded_end(total_computed + num_new_tokens + num_lookahead_tokens),
-            self.max_model_len,
-        )
-        if not st.allocated:
-            hits = list(new_computed_blocks.blocks[0]) if new_computed_blocks else []
-            headroom = self._headroom(reserved_blocks, has_scheduled_reqs)
-            new_blocks = self.admit(request, st, hits, num_need_slot, headroom)
-        else:
-            new_blocks = self.grow(request, st, num_need_slot, reserved_blocks)
-        if new_blocks is None:
-            return None
-        if not delay_cache_blocks:
-            self.cache(request, st, min(total_computed + num_new_tokens, request.num_tokens))
-        return new_blocks
+        return -(-min(st.padded_end(num_tokens), self.max_model_len) // self.block_size)
 
     def admit(
         self,
         request: Request,
         st: RequestState,
         hits: list[KVCacheBlock],
-        num_need_slot: int,
+        num_blocks: int,
         reserved: int,
     ) -> list[KVCacheBlock] | None:
         """First allocation of a private-placement request: the whole layout at once, or
         nothing (the request keeps waiting). Chunk tokens sit in its private blocks, copied from
         the host store (``HostLoad``) and then overwritten where the policy recomputes them."""
-        layout, bs = st.layout, self.block_size
+        layout = st.layout
         n_hit = len(hits)
-        num_table = max(layout.num_blocks, -(-num_need_slot // bs))
+        num_table = max(layout.num_blocks, num_blocks)
         found = self._residency(st)
         if found is None:
             return None
@@ -115,11 +88,11 @@ class PaddedAdmission(Admission):
         return table[n_hit:]
 
     def grow(
-        self, request: Request, st: RequestState, num_need_slot: int, reserved: int
+        self, request: Request, st: RequestState, num_blocks: int, reserved: int
     ) -> list[KVCacheBlock] | None:
         """Later steps (decode, or the rest of a split prefill): plain private blocks."""
         table = block_table(self.tables, request.request_id)
-        missing = -(-num_need_slot // self.block_size) - len(table)
+        missing = num_blocks - len(table)
         if missing <= 0:
             return []
         if not self._make_room(missing, reserved, st.entries):
