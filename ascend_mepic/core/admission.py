@@ -21,11 +21,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable
 
-from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
-from vllm.v1.request import Request
 
 from ascend_mepic.core.chunk_cache import ChunkCache, ChunkEntry, ChunkState
 from ascend_mepic.core.counters import MepicCounters
@@ -35,6 +31,12 @@ from ascend_mepic.core.plan import ChunkMove, HostLoad, Residency
 from ascend_mepic.core.policies import Placement
 from ascend_mepic.core.request_intake import RequestState
 from ascend_mepic.core.step_room import StepRoom
+from ascend_mepic.vllm_integration.core_types import (
+    BlockPool,
+    KVCacheBlock,
+    Request,
+    SingleTypeKVCacheManager,
+)
 
 
 class Admission(ABC):

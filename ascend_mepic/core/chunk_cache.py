@@ -24,10 +24,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
 from ascend_mepic.core.identity import ChunkId
+from ascend_mepic.vllm_integration.core_types import BlockPool, KVCacheBlock
 
 
 class ChunkState(str, enum.Enum):

@@ -15,10 +15,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.request import Request
-
 from ascend_mepic.core.chunk_cache import ChunkCache, ChunkState
 from ascend_mepic.core.counters import MepicCounters
 from ascend_mepic.core.identity import ChunkId
@@ -26,6 +22,7 @@ from ascend_mepic.core.kv_settings import KVSettings
 from ascend_mepic.core.plan import ChunkCompile, TierLoad
 from ascend_mepic.core.segments import Layout
 from ascend_mepic.core.step_room import StepRoom
+from ascend_mepic.vllm_integration.core_types import BlockPool, KVCacheBlock, Request
 
 logger = logging.getLogger(__name__)
 

@@ -8,13 +8,10 @@ leading layout blocks found in the prefix cache.
 
 from __future__ import annotations
 
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.request import Request
-
 from ascend_mepic.core.chunk_cache import ChunkCache
 from ascend_mepic.core.kv_settings import KVSettings
 from ascend_mepic.core.request_intake import BlockRole, RequestState
+from ascend_mepic.vllm_integration.core_types import BlockPool, KVCacheBlock, Request
 from ascend_mepic.vllm_integration.kv_cache import cached_block
 
 

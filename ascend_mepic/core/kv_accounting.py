@@ -9,15 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
-
 from ascend_mepic.core.chunk_cache import ChunkCache
 from ascend_mepic.core.counters import MepicCounters
 from ascend_mepic.core.kv_settings import KVSettings
 from ascend_mepic.core.request_intake import BlockRole, RequestState
 from ascend_mepic.core.segments import BlockKind
 from ascend_mepic.tier.index import recompute_share
+from ascend_mepic.vllm_integration.core_types import BlockPool, SingleTypeKVCacheManager
 from ascend_mepic.vllm_integration.kv_cache import (
     block_table_or_empty,
     num_cached_free_blocks,

@@ -41,9 +41,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
-from vllm.v1.request import Request, RequestStatus
 
 from ascend_mepic.core.admission import Admission
 from ascend_mepic.core.chunk_cache import ChunkCache
@@ -74,6 +71,13 @@ from ascend_mepic.core.segments import Layout
 from ascend_mepic.core.step_room import StepRoom
 from ascend_mepic.tier.host_store import HostChunkStore
 from ascend_mepic.tier.index import TierIndex
+from ascend_mepic.vllm_integration.core_types import (
+    FullAttentionSpec,
+    KVCacheBlock,
+    KVCacheConfig,
+    Request,
+    RequestStatus,
+)
 from ascend_mepic.vllm_integration.kv_cache import request_tables, table_block_size
 
 __all__ = [

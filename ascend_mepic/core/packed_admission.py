@@ -12,15 +12,13 @@
 
 from __future__ import annotations
 
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.request import Request
-
 from ascend_mepic.core.admission import Admission
 from ascend_mepic.core.chunk_cache import ChunkEntry, ChunkState
 from ascend_mepic.core.identity import ChunkId
 from ascend_mepic.core.plan import ChunkCompile, ChunkMove, RequestPlan, SequencePlacement
 from ascend_mepic.core.request_intake import RequestState
 from ascend_mepic.core.segments import BlockKind, Segment, SegmentKind, build_packed_layout
+from ascend_mepic.vllm_integration.core_types import KVCacheBlock, Request
 from ascend_mepic.vllm_integration.kv_cache import (
     block_table,
     cache_private_blocks,

@@ -7,13 +7,11 @@ under private placement the worker copies the chunk's KV from the host store int
 
 from __future__ import annotations
 
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.request import Request
-
 from ascend_mepic.core.admission import Admission
 from ascend_mepic.core.plan import HostLoad, RequestPlan
 from ascend_mepic.core.policies import Placement
 from ascend_mepic.core.request_intake import BlockRole, RequestState
+from ascend_mepic.vllm_integration.core_types import KVCacheBlock, Request
 from ascend_mepic.vllm_integration.kv_cache import (
     block_table,
     cache_private_blocks,

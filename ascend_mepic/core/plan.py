@@ -9,6 +9,10 @@ from ascend_mepic.core.identity import ChunkId
 from ascend_mepic.core.segments import Layout
 
 
+class StepPlanError(RuntimeError):
+    """The scheduler's plan and what the worker sees disagree; the step is not run."""
+
+
 class Residency(str, enum.Enum):
     RESIDENT = "resident"  # canonical blocks already computed and shared
     IN_FLIGHT = "in-flight"  # being compiled by another request in this same step

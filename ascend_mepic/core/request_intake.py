@@ -14,10 +14,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock, hash_block_tokens
-from vllm.v1.request import Request
-
 from ascend_mepic.core.chunk_cache import ChunkCache, ChunkEntry
 from ascend_mepic.core.errors import MepicCapacityError, MepicUnsupportedError
 from ascend_mepic.core.identity import ChunkId, chunk_identity
@@ -35,6 +31,13 @@ from ascend_mepic.core.segments import (
 )
 from ascend_mepic.core.step_room import StepRoom
 from ascend_mepic.vllm_integration.block_hasher import vllm_prompt_hashes
+from ascend_mepic.vllm_integration.core_types import (
+    BlockHash,
+    BlockPool,
+    KVCacheBlock,
+    Request,
+    hash_block_tokens,
+)
 from ascend_mepic.vllm_integration.kv_cache import num_usable_blocks, set_block_hashes
 from ascend_mepic.vllm_integration.scheduler_internals import set_prompt
 

@@ -20,11 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.request import Request, RequestStatus
 
 from ascend_mepic.config import MepicConfig
 from ascend_mepic.core.engine_support import check_engine_supported
@@ -36,6 +32,13 @@ from ascend_mepic.core.segments import UNPIN_KEY, Layout, LayoutError
 from ascend_mepic.tier.host_store import host_store
 from ascend_mepic.tier.index import TierIndex
 from ascend_mepic.vllm_integration import block_hasher, channel
+from ascend_mepic.vllm_integration.core_types import (
+    EngineCoreOutputs,
+    Request,
+    RequestStatus,
+    SchedulerOutput,
+    get_hash_fn_by_name,
+)
 from ascend_mepic.vllm_integration.scheduler_internals import (
     add_pseudo_request,
     emit_finished_at_arrival,

@@ -26,16 +26,22 @@ from typing import Any
 
 import torch
 from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.request import Request, RequestStatus
 
 from ascend_mepic.core.kv_manager import MepicCapacityError, MepicKVCacheManager
 from ascend_mepic.core.markers import TextSegment, Tokenizer, tokenize_segments
 from ascend_mepic.core.segments import EXTRA_ARGS_KEY, Segment, SegmentKind
 from ascend_mepic.vllm_integration.block_hasher import mepic_request_block_hasher
+from ascend_mepic.vllm_integration.core_types import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    Request,
+    RequestStatus,
+    get_request_block_hasher,
+    init_none_hash,
+    sha256_cbor,
+)
 
 PLACEMENTS = ("mepic", "private", "prefix")
 OUTPUT_KEYS = (

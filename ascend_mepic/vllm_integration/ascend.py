@@ -217,3 +217,19 @@ def kv_pair_view(kv_cache: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tenso
 def block_major_buffer(kv_cache: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     """The same memory as a contiguous ``[num_blocks, 2, B, Hkv, D]`` tensor (``tier.transfer``)."""
     return kv_pair_view(kv_cache).transpose(0, 1)
+
+
+# ``MepicNPUWorker.init_device`` restates vllm-ascend's (it builds its runner inline) and calls
+# these two vLLM internals as that body does, under the same names; imported when a worker starts.
+def init_workspace_manager(device: torch.device, num_ubatches: int) -> None:
+    """vLLM's ``init_workspace_manager`` (``vllm.v1.worker.workspace``), as NPUWorker calls it."""
+    from vllm.v1.worker.workspace import init_workspace_manager as vllm_init
+
+    vllm_init(device, num_ubatches)
+
+
+def report_usage_stats(vllm_config) -> None:
+    """vLLM's ``report_usage_stats`` (``vllm.v1.utils``), as NPUWorker calls it on rank 0."""
+    from vllm.v1.utils import report_usage_stats as vllm_report
+
+    vllm_report(vllm_config)

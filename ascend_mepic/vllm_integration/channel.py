@@ -11,11 +11,7 @@ from __future__ import annotations
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from ascend_mepic.core.plan import StepPlan
-
-
-class StepPlanError(RuntimeError):
-    """The scheduler's plan and what the worker sees disagree; the step is not run."""
+from ascend_mepic.core.plan import StepPlan, StepPlanError
 
 
 class MepicStepMetadata(KVConnectorMetadata):

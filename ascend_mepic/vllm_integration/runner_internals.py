@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ascend_mepic.vllm_integration.channel import StepPlanError
+import numpy as np
+import torch
+
+from ascend_mepic.core.plan import StepPlanError
 
 # Handed to the builders at the start of a real step, replaced by the step's tables once the
 # runner placed its tokens; a builder that still sees it refuses to build.
@@ -93,3 +96,47 @@ def widen_block_table(table: Any, block_size: int, width: int) -> None:
         new.gpu = new.cpu
     table.block_table = new
     table.max_num_blocks_per_req = width
+
+
+def step_token_inputs(
+    runner: Any, num_tokens: int
+) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """The step's inputs vLLM prepared that MEPIC's placement reads: the batch's request ids,
+    ``query_start_loc`` (host), the token positions vLLM derived from token indices (int64, host)
+    and the block table rows (host).
+
+    Why: vLLM 0.30.0 keeps them on the runner (``input_batch``, ``query_start_loc``,
+    ``positions``) and in ``input_batch.block_table[0]``; no hook hands them to a plugin.
+    """
+    num_reqs = runner.input_batch.num_reqs
+    table = runner.input_batch.block_table[0]
+    check_block_table(table, runner.mepic_block_size)
+    return (
+        runner.input_batch.req_ids[:num_reqs],
+        runner.query_start_loc.np[: num_reqs + 1],
+        runner.positions[:num_tokens].cpu().numpy().astype(np.int64),
+        table.block_table.np,
+    )
+
+
+def rewrite_positions_and_slots(
+    runner: Any, num_tokens: int, positions: np.ndarray, slots: np.ndarray, mapped: np.ndarray
+) -> None:
+    """Write MEPIC's logical positions (all tokens) and KV slots (the ``mapped`` tokens) into
+    the runner's inputs, after ``_prepare_inputs`` filled them and before the forward reads them.
+
+    Why: the model reads ``runner.positions`` and the KV write reads the slot mapping
+    (``input_batch.block_table[0].slot_mapping``, device side) in vLLM 0.30.0 and vllm-ascend
+    0.30.0rc2; a MEPIC sequence's tokens sit at padded indices with logical positions, which
+    vLLM cannot derive from token indices.
+    """
+    device = runner.positions.device
+    runner.positions[:num_tokens] = torch.from_numpy(positions).to(device)
+    slot_mapping = runner.input_batch.block_table[0].slot_mapping.gpu
+    if mapped.all():
+        slot_mapping[:num_tokens] = torch.from_numpy(slots).to(slot_mapping.device)
+    else:
+        rows = np.flatnonzero(mapped)
+        slot_mapping[torch.from_numpy(rows).to(slot_mapping.device)] = torch.from_numpy(
+            slots[rows]
+        ).to(slot_mapping.device)

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import (
     AttentionImpl,
     AttentionMetadataBuilder,
@@ -27,10 +26,14 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
+from ascend_mepic.core.plan import StepPlanError
 from ascend_mepic.ops import PagedRopeMetadata, rope_paged_attention, write_kv
 from ascend_mepic.ops.layout import cache_view
 from ascend_mepic.ops.rope import RopeSpec
-from ascend_mepic.vllm_integration.channel import StepPlanError
+from ascend_mepic.vllm_integration.attention_internals import (
+    register_attention_backend,
+    step_attention_metadata,
+)
 from ascend_mepic.vllm_integration.runner_internals import STEP_NOT_PLACED
 from ascend_mepic.worker import blend, step
 from ascend_mepic.worker.nope_rotary import registered_rope
@@ -150,7 +153,7 @@ class MepicAttentionImpl(AttentionImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Store K and V un-rotated (vLLM calls this for every layer before its attention)."""
-        metadata = get_forward_context().attn_metadata
+        metadata = step_attention_metadata()
         step = metadata[layer.layer_name] if isinstance(metadata, dict) else None
         self.store_kv(layer, key, value, kv_cache, slot_mapping, step)
 
@@ -254,8 +257,4 @@ def register_backend(names: tuple[str, ...] = ("CPU_ATTN",)) -> None:
     On CPU the platform always picks CPU_ATTN. (CUDA selects ``cuda_attention``'s backend as
     vLLM's CUSTOM backend; Ascend wraps the NPU platform's choice.)
     """
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    from vllm.v1.attention.backends.registry import register_backend as vllm_register
-
-    for name in names:
-        vllm_register(AttentionBackendEnum[name], f"{__name__}.MepicAttentionBackend")
+    register_attention_backend(names, f"{__name__}.MepicAttentionBackend")

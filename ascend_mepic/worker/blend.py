@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from ascend_mepic.ops import PagedRopeMetadata
+from ascend_mepic.vllm_integration.attention_internals import step_attention_metadata
 
 
 @dataclass
@@ -53,9 +53,7 @@ class BlendStep:
 def current() -> BlendStep | None:
     """This forward pass's selection state: it rides on MEPIC's attention metadata, which the
     runner's builders produced for the step (no process globals)."""
-    if not is_forward_context_available():
-        return None
-    metadata = get_forward_context().attn_metadata
+    metadata = step_attention_metadata()
     if not isinstance(metadata, dict) or not metadata:
         return None
     return getattr(next(iter(metadata.values())), "blend", None)

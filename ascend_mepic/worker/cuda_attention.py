@@ -20,8 +20,11 @@ from typing import ClassVar
 
 import torch
 from vllm.v1.attention.backend import AttentionBackend
-from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from ascend_mepic.vllm_integration.attention_internals import (
+    BLOCK_HEAD_MAJOR_LAYOUT,
+    register_attention_backend,
+)
 from ascend_mepic.worker.attention import MepicBackendCapabilities
 
 # Even head sizes the Triton kernels' tiles were written for (D padded to a power of two; above
@@ -47,9 +50,9 @@ class MepicCudaAttentionBackend(MepicBackendCapabilities, AttentionBackend):
         return list(CUDA_HEAD_SIZES)
 
     @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+    def supported_kv_cache_layouts(cls) -> tuple:
         """Per block, per KV head, K rows then V rows (``ops.layout.block_view``)."""
-        return (KVCacheLayout.LBHNC,)
+        return (BLOCK_HEAD_MAJOR_LAYOUT,)
 
     @classmethod
     def supports_compute_capability(cls, capability) -> bool:
@@ -63,6 +66,4 @@ class MepicCudaAttentionBackend(MepicBackendCapabilities, AttentionBackend):
 def register_cuda_backend() -> None:
     """Register this class as vLLM's ``CUSTOM`` backend (worker process, before the model is
     built; the configuration hook selected ``CUSTOM``)."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    register_backend(AttentionBackendEnum.CUSTOM, f"{__name__}.MepicCudaAttentionBackend")
+    register_attention_backend(("CUSTOM",), f"{__name__}.MepicCudaAttentionBackend")

@@ -12,11 +12,11 @@ under that name and refuses a configuration that bypassed the hook.
 
 from __future__ import annotations
 
-from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from ascend_mepic.core.models import check_model_supported
+from ascend_mepic.vllm_integration.attention_internals import is_custom_backend
 from ascend_mepic.vllm_integration.engine_config import V2_RUNNER_ENV, MepicStartupError
 from ascend_mepic.vllm_integration.version import check_vllm_version
 from ascend_mepic.worker.cuda_attention import register_cuda_backend
@@ -47,7 +47,7 @@ def check_worker_config(vllm_config) -> None:
             "--additional-config '{\"mepic\": {}}'"
         )
     backend = vllm_config.attention_config.backend
-    if backend != AttentionBackendEnum.CUSTOM:
+    if not is_custom_backend(backend):
         name = "automatic selection" if backend is None else backend.name
         raise MepicStartupError(
             f"MEPIC's attention backend must be selected (vLLM's CUSTOM backend); this engine "

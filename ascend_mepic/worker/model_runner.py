@@ -16,23 +16,22 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ascend_mepic.config import MepicConfig
-from ascend_mepic.core.plan import ChunkMove, ChunkSave, HostLoad, StepPlan, TierLoad
+from ascend_mepic.core.plan import ChunkMove, ChunkSave, HostLoad, StepPlan, StepPlanError, TierLoad
 from ascend_mepic.core.request_limits import table_width
 from ascend_mepic.ops.layout import block_view
 from ascend_mepic.tier import transfer as kv_transfer
 from ascend_mepic.tier.host_store import StoredChunk, host_store
 from ascend_mepic.tier.worker_io import WorkerTier
 from ascend_mepic.vllm_integration import channel
-from ascend_mepic.vllm_integration.channel import StepPlanError
 from ascend_mepic.vllm_integration.runner_internals import (
     STEP_NOT_PLACED,
-    check_block_table,
     hand_step_tables,
+    rewrite_positions_and_slots,
+    step_token_inputs,
     widen_block_table,
 )
 from ascend_mepic.worker import blend, step
@@ -233,28 +232,12 @@ class MepicRunnerMixin:
     def _place_tokens(self, num_tokens: int) -> None:
         """Rewrite positions and KV slots of mapped sequences and hand the step's tables to
         the builders: once per step, as array operations over the whole batch."""
-        num_reqs = self.input_batch.num_reqs
-        table = self.input_batch.block_table[0]
-        check_block_table(table, self.mepic_block_size)
-        placed = step.place_step(
-            self._token_pool,
-            self.input_batch.req_ids[:num_reqs],
-            self.query_start_loc.np[: num_reqs + 1],
-            self.positions[:num_tokens].cpu().numpy().astype(np.int64),
-            table.block_table.np,
-        )
+        req_ids, query_start_loc, positions, block_table = step_token_inputs(self, num_tokens)
+        placed = step.place_step(self._token_pool, req_ids, query_start_loc, positions, block_table)
         if placed.any_mapped:
-            self.positions[:num_tokens] = torch.from_numpy(placed.positions).to(
-                self.positions.device
+            rewrite_positions_and_slots(
+                self, num_tokens, placed.positions, placed.slots, placed.mapped
             )
-            slot_mapping = table.slot_mapping.gpu
-            if placed.mapped.all():
-                slot_mapping[:num_tokens] = torch.from_numpy(placed.slots).to(slot_mapping.device)
-            else:
-                rows = np.flatnonzero(placed.mapped)
-                slot_mapping[torch.from_numpy(rows).to(slot_mapping.device)] = torch.from_numpy(
-                    placed.slots[rows]
-                ).to(slot_mapping.device)
         tables = step.build_tables(
             num_tokens,
             placed.positions,

@@ -24,8 +24,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from vllm.v1.utils import report_usage_stats
-from vllm.v1.worker.workspace import init_workspace_manager
 from vllm_ascend.worker.model_runner_v1 import NPUModelRunner
 from vllm_ascend.worker.worker import NPUWorker
 
@@ -33,7 +31,12 @@ from ascend_mepic.config import MepicConfig
 from ascend_mepic.core.models import check_model_supported
 from ascend_mepic.core.request_limits import table_width
 from ascend_mepic.ops import select_impl
-from ascend_mepic.vllm_integration.ascend import block_major_buffer, use_attention_backend
+from ascend_mepic.vllm_integration.ascend import (
+    block_major_buffer,
+    init_workspace_manager,
+    report_usage_stats,
+    use_attention_backend,
+)
 from ascend_mepic.vllm_integration.version import check_vllm_version
 from ascend_mepic.worker.model_runner import MepicRunnerMixin
 from ascend_mepic.worker.nope_rotary import install_nope_rope, registered_rope

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ascend_mepic.core.plan import StepPlanError
 from ascend_mepic.ops import PagedRopeMetadata
-from ascend_mepic.vllm_integration.channel import StepPlanError
 from ascend_mepic.worker.token_pool import PLAIN_ROW, EntryTables, TokenMapPool
 
 

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ascend_mepic.core.plan import SequencePlacement
+from ascend_mepic.core.plan import SequencePlacement, StepPlanError
 from ascend_mepic.core.segments import layout_from_lengths
-from ascend_mepic.vllm_integration.channel import StepPlanError
 
 
 @dataclass(frozen=True)

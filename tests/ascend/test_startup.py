@@ -95,7 +95,7 @@ def test_block_table_split_is_refused_under_vllm_ascends_attribute_name():
 
     from vllm_ascend.worker.block_table import BlockTable
 
-    from ascend_mepic.vllm_integration.channel import StepPlanError
+    from ascend_mepic.core.plan import StepPlanError
     from ascend_mepic.vllm_integration.runner_internals import check_block_table
 
     source = inspect.getsource(BlockTable.__init__)

@@ -4,10 +4,12 @@
 or ``entrypoints/`` (the classes vLLM loads are named in ``vllm_integration/class_names.py``).
 Outside it, code may use vLLM's public API (``PUBLIC``) and the internal modules of ``ALLOWED``
 only: a new internal import fails here until it moves into ``vllm_integration/`` or is added to
-the list with its reason, and a module no longer used must leave the list. The list is the
-boundary's debt (issue 47 aims at 12 or fewer): the scheduler and KV manager subclass vLLM's
-core classes, the workers and backends subclass vLLM's and vllm-ascend's. The server reaches
-vLLM's OpenAI front end through ``vllm_integration/openai_api.py`` and ``openai_launcher.py``.
+the list with its reason, and a module no longer used must leave the list. The list holds
+only the modules of classes MEPIC subclasses (12, issue 47's bound): the scheduler and KV
+manager subclass vLLM's core classes; the workers, runners, backends and rotary ops vLLM's and
+vllm-ascend's. The types the KV managers hold come from ``vllm_integration/core_types.py``; the
+server reaches vLLM's OpenAI front end through ``vllm_integration/openai_api.py`` and
+``openai_launcher.py``. ``from vllm import _private`` counts as the internal module it names.
 """
 
 from __future__ import annotations
@@ -26,43 +28,24 @@ PUBLIC = {
     "vllm.sampling_params",
 }
 ALLOWED: dict[str, str] = {
-    # core/: the scheduler and KV manager subclass vLLM's and share its block pool and requests
-    **dict.fromkeys(
-        [
-            "vllm.utils.hashing",
-            "vllm.v1.core.block_pool",
-            "vllm.v1.core.kv_cache_manager",
-            "vllm.v1.core.kv_cache_utils",
-            "vllm.v1.core.sched.output",
-            "vllm.v1.core.sched.scheduler",
-            "vllm.v1.core.single_type_kv_cache_manager",
-            "vllm.v1.engine",
-            "vllm.v1.kv_cache_interface",
-            "vllm.v1.request",
-        ],
-        "scheduling: subclasses of vLLM's scheduler and KV cache manager",
-    ),
-    # worker/: workers, runners and attention backends subclass vLLM's and vllm-ascend's
-    **dict.fromkeys(
-        [
-            "vllm.forward_context",
-            "vllm.model_executor.custom_op",
-            "vllm.v1.attention.backend",
-            "vllm.v1.attention.backends.cpu_attn",
-            "vllm.v1.attention.backends.registry",
-            "vllm.v1.kv_cache_layout",
-            "vllm.v1.utils",
-            "vllm.v1.worker.cpu_model_runner",
-            "vllm.v1.worker.cpu_worker",
-            "vllm.v1.worker.gpu_model_runner",
-            "vllm.v1.worker.gpu_worker",
-            "vllm.v1.worker.workspace",
-            "vllm_ascend.attention.attention_v1",
-            "vllm_ascend.worker.model_runner_v1",
-            "vllm_ascend.worker.worker",
-        ],
-        "computation: subclasses of vLLM's and vllm-ascend's workers, runners and backends",
-    ),
+    # core/: the scheduler and KV manager are subclasses (``--scheduler-cls``; the manager is
+    # installed by ``vllm_integration.scheduler_internals``). The types they hold (blocks, pool,
+    # requests, specs) come from ``vllm_integration.core_types``.
+    "vllm.v1.core.sched.scheduler": "MepicScheduler subclasses Scheduler",
+    "vllm.v1.core.kv_cache_manager": "MepicKVCacheManager subclasses KVCacheManager (and returns "
+    "its KVCacheBlocks); kvsim builds stock managers for the prefix baseline",
+    # worker/: the classes ``--worker-cls`` and backend registration install subclass vLLM's
+    # and vllm-ascend's; each of these modules is imported only on its own platform.
+    "vllm.model_executor.custom_op": "NoPE rotary classes are CustomOp.register_oot subclasses",
+    "vllm.v1.attention.backend": "MEPIC's backend, builder and impl subclass vLLM's bases",
+    "vllm.v1.attention.backends.cpu_attn": "the CPU backend subclasses CPUAttentionBackend",
+    "vllm.v1.worker.cpu_worker": "MepicCPUWorker subclasses CPUWorker",
+    "vllm.v1.worker.cpu_model_runner": "MepicCPUModelRunner subclasses CPUModelRunner",
+    "vllm.v1.worker.gpu_worker": "MepicGPUWorker subclasses Worker (CUDA)",
+    "vllm.v1.worker.gpu_model_runner": "MepicGPUModelRunner subclasses GPUModelRunner (CUDA)",
+    "vllm_ascend.attention.attention_v1": "the NPU backend subclasses AscendAttentionBackend",
+    "vllm_ascend.worker.model_runner_v1": "MepicNPUModelRunner subclasses NPUModelRunner",
+    "vllm_ascend.worker.worker": "MepicNPUWorker subclasses NPUWorker",
 }
 
 
@@ -74,6 +57,10 @@ def _imports(path: Path) -> set[str]:
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
+            if node.module in ("vllm", "vllm_ascend"):  # ``from vllm import _custom_ops``
+                found.update(
+                    f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")
+                )
     return found
 
 

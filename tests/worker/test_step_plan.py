@@ -10,10 +10,9 @@ import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
-from ascend_mepic.core.plan import SequencePlacement, StepPlan
+from ascend_mepic.core.plan import SequencePlacement, StepPlan, StepPlanError
 from ascend_mepic.core.segments import Segment, build_layout
 from ascend_mepic.vllm_integration import channel
-from ascend_mepic.vllm_integration.channel import StepPlanError
 from ascend_mepic.vllm_integration.runner_internals import STEP_NOT_PLACED
 from ascend_mepic.worker import step
 from ascend_mepic.worker.attention import MepicAttentionMetadataBuilder

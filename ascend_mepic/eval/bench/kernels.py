@@ -30,6 +30,7 @@ from ascend_mepic.ops.layout import cache_view
 from ascend_mepic.ops.metadata import PagedRopeMetadata
 from ascend_mepic.ops.reference import rope_paged_attention_reference, write_kv
 from ascend_mepic.ops.rope import RopeSpec, default_cos_sin_cache
+from ascend_mepic.vllm_integration.cpu_attention import StockCpuAttention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -57,9 +58,6 @@ class Case:
         dtype: torch.dtype,
         seed: int = 0,
     ) -> None:
-        from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
         gen = torch.Generator().manual_seed(seed)
         blocks_per_seq = -(-context // block)
         nb = num_seqs * blocks_per_seq + 1
@@ -96,41 +94,19 @@ class Case:
             max_num_blocks=blocks_per_seq,
         )
 
-        # vLLM: [nb, Hkv, 2B, D] (K rows then V rows of a block), K rotated at write time.
-        self.isa = _get_attn_isa(dtype, block, head)
-        if self.isa == "amx":
-            # Linux hands out AMX tile state only on request (arch_prctl XCOMP_PERM); without it
-            # the first tile instruction is SIGILL. vLLM's engine has it requested by the time
-            # attention runs; calling the op directly must ask first.
-            torch._C._cpu._init_amx()
-        raw = torch.zeros(nb, kv_heads, 2 * block, head, dtype=dtype)
-        self.key_cache, self.value_cache = raw.chunk(2, dim=2)
+        # vLLM: K rotated at write time, its own cache layout and scheduler metadata.
         rotated = _rotate(key.flatten(0, 1), pos.repeat(num_seqs), cos_sin)
-        ops.cpu_attn_reshape_and_cache(
-            rotated.to(dtype), value.flatten(0, 1).to(dtype), self.key_cache, self.value_cache,
-            slots, self.isa,
+        self.stock = StockCpuAttention(
+            rotated, value.flatten(0, 1), slots, nb, block, tables, loc,
+            torch.full((num_seqs,), context, dtype=torch.int32), heads, dtype,
         )  # fmt: skip
+        self.isa = self.stock.isa
         self.vllm_query = _rotate(q, query_pos.repeat(num_seqs), cos_sin).to(dtype)
-        self.seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
-        self.loc = loc
-        self.tables = tables
-        self.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=num_seqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=head,
-            seq_lens=self.seq_lens, dtype=dtype, query_start_loc=loc, causal=True,
-            sliding_window_size=-1, isa=self.isa, enable_kv_split=True,
-        )  # fmt: skip
         self.out = torch.empty_like(self.vllm_query)
         self.mepic_out = torch.empty_like(self.query)
-        self._ops = ops
 
     def run_vllm(self) -> torch.Tensor:
-        self._ops.cpu_attention_with_kv_cache(
-            query=self.vllm_query, key_cache=self.key_cache, value_cache=self.value_cache,
-            output=self.out, query_start_loc=self.loc, seq_lens=self.seq_lens, scale=self.scale,
-            causal=True, alibi_slopes=None, sliding_window=-1, block_table=self.tables,
-            softcap=0.0, scheduler_metadata=self.scheduler_metadata, s_aux=None,
-        )  # fmt: skip
-        return self.out
+        return self.stock.run(self.vllm_query, self.out, self.scale)
 
     def run_mepic(self) -> torch.Tensor:
         # Into a buffer made once, as vLLM's op writes its `output` (and the engine passes the

@@ -57,9 +57,9 @@ def stock_block_size(block_size: int) -> int:
 
     if not current_platform.is_cpu():
         return block_size
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from ascend_mepic.vllm_integration.cpu_attention import kernel_block_base
 
-    (base,) = [s.base for s in CPUAttentionBackend.get_supported_kernel_block_sizes()]
+    base = kernel_block_base()
     return -(-block_size // base) * base
 
 
