@@ -15,7 +15,6 @@ import pytest
 SLOW_FILES = (
     "test_real_geometry.py",  # 28 engines, ~340 s
     "test_docs.py",  # the documented servers and the offline snippet, ~250 s
-    "test_ascend_kernel.py",  # the triton-ascend kernel under upstream Triton's interpreter, ~230 s
     "test_policies.py",
     "test_tier.py",
     "test_cpu_kernel_build.py",

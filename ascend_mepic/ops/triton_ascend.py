@@ -6,8 +6,11 @@ the machines it was built on). What is checked: every launch the worker can make
 triton-ascend 3.2's own compiler stages ``ttir`` and ``ttadapter`` (``triton-adapter-opt``) for a
 910B3 target (``tests/ops/test_ascend_compile.py``); the last stage, CANN's ``bishengir-compile``
 to an NPU binary, is not run (``tests/ops/ascend_compile.CANN_ONLY_CHECKS`` lists what it could
-still reject). Numerics are checked under triton-ascend's and upstream Triton's CPU interpreters
-(``tests/ops/test_ascend_kernel.py``) against the dense float64 oracle.
+still reject). Numerics are checked under triton-ascend's CPU interpreter
+(``tests/ops/test_ascend_kernel.py``) against the dense float64 oracle. The kernel needs
+triton-ascend: its tiles are block pointers, which upstream Triton removed (there the module
+imports, for the launch planning and the UB estimate, but ``rope_paged_attention_ascend`` refuses
+to run).
 
 Same contract as the CUDA kernel ``cuda_fallback.rope_paged_attention``
 (``ascend_mepic.ops.metadata``): K and V un-rotated in ``[2, num_blocks, B, Hkv, D]``
@@ -22,8 +25,7 @@ migration and performance guides, and the forms vllm-ascend 0.30.0rc2's own Trit
   in batches, so the grid is the core count (``num_cores``) and each program loops over work items
   ``w = pid, pid + cores, ...``. The number of work items is read from a device tensor.
 * **Every tile is a 2-D, unit-inner-stride tile at a scalar base** (``_load_tile``: a 2-D block
-  pointer under triton-ascend, the same tile as masked pointer arithmetic under upstream Triton,
-  which removed block pointers). No 3-D box, no stride-2 load, no gather in the hot loop:
+  pointer, vllm-ascend's idiom). No 3-D box, no stride-2 load, no gather in the hot loop:
   - K and V: a block-table entry's block id, first position and valid range are scalars; its
     sub-tiles start at the first valid slot (``[row0, row0 + BLOCK_N)`` cut at ``valid_end``), so
     one upper bound masks them and the cos/sin rows of their positions are consecutive rows of
@@ -64,7 +66,6 @@ patch it to upcast), fp16 dots run as on the NPU.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ascend_mepic import ops
 from ascend_mepic.ops.metadata import PagedRopeMetadata
 from ascend_mepic.ops.rope import RopeSpec
 from ascend_mepic.ops.triton_common import (
@@ -101,17 +103,6 @@ INTERPRETER_CORES = 3
 DEFAULT_NPU_CORES = 20
 
 
-def _has_block_pointers() -> bool:
-    """Q/output boxes use ``tl.make_block_ptr`` under triton-ascend (vllm-ascend's idiom); upstream
-    Triton removed block pointers, so there (its interpreter) the same box is pointer arithmetic."""
-    try:
-        importlib.metadata.distribution("triton-ascend")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-BLOCK_POINTERS = _has_block_pointers()
 # A2 (910B) unified buffer per AI core, and the share a double-buffered kernel may fill.
 UB_BYTES = 192 * 1024
 UB_BUDGET = UB_BYTES // 2
@@ -234,19 +225,6 @@ def _tile_block_ptr(base, n_rows, row0, stride_row, n_cols, ROWS: tl.constexpr,
 
 
 @triton.jit
-def _tile_ptrs(base, row0, stride_row, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """The same tile as pointer arithmetic (upstream Triton removed block pointers)."""
-    r = row0 + tl.arange(0, ROWS)
-    return base + r.to(tl.int64)[:, None] * stride_row + tl.arange(0, COLS)[None, :]
-
-
-@triton.jit
-def _tile_mask(n_rows, row0, n_cols, ROWS: tl.constexpr, COLS: tl.constexpr):
-    r = row0 + tl.arange(0, ROWS)
-    return (r < n_rows)[:, None] & (tl.arange(0, COLS) < n_cols)[None, :]
-
-
-@triton.jit
 def _load_tile(
     base,
     n_rows,
@@ -255,20 +233,12 @@ def _load_tile(
     n_cols,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
-    BLOCK_PTR: tl.constexpr,
 ):
     """Rows ``[row0, row0 + ROWS)`` x columns ``[0, COLS)`` of a row-major 2-D region with unit
-    column stride, zero past ``n_rows`` rows and ``n_cols`` columns: through a 2-D block pointer
-    (``BLOCK_PTR``) or, for upstream Triton's interpreter, masked pointer arithmetic. Each helper
-    returns a value in both branches (a ``None`` returned from a jit function does not compile).
+    column stride, zero past ``n_rows`` rows and ``n_cols`` columns, through a 2-D block pointer.
     """
-    if BLOCK_PTR:
-        ptr = _tile_block_ptr(base, n_rows, row0, stride_row, n_cols, ROWS, COLS)
-        x = tl.load(ptr, boundary_check=(0, 1), padding_option="zero")
-    else:
-        mask = _tile_mask(n_rows, row0, n_cols, ROWS, COLS)
-        x = tl.load(_tile_ptrs(base, row0, stride_row, ROWS, COLS), mask=mask, other=0.0)
-    return x
+    ptr = _tile_block_ptr(base, n_rows, row0, stride_row, n_cols, ROWS, COLS)
+    return tl.load(ptr, boundary_check=(0, 1), padding_option="zero")
 
 
 @triton.jit
@@ -281,15 +251,10 @@ def _store_tile(
     n_cols,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
-    BLOCK_PTR: tl.constexpr,
 ):
     """Store ``x`` ``[ROWS, COLS]`` where ``_load_tile`` would load it (in range only)."""
-    if BLOCK_PTR:
-        ptr = _tile_block_ptr(base, n_rows, row0, stride_row, n_cols, ROWS, COLS)
-        tl.store(ptr, x, boundary_check=(0, 1))
-    else:
-        mask = _tile_mask(n_rows, row0, n_cols, ROWS, COLS)
-        tl.store(_tile_ptrs(base, row0, stride_row, ROWS, COLS), x, mask=mask)
+    ptr = _tile_block_ptr(base, n_rows, row0, stride_row, n_cols, ROWS, COLS)
+    tl.store(ptr, x, boundary_check=(0, 1))
 
 
 @triton.jit
@@ -304,17 +269,16 @@ def _load_pairs(
     D: tl.constexpr,
     D_P: tl.constexpr,
     IS_NEOX: tl.constexpr,
-    BLOCK_PTR: tl.constexpr,
 ):
     """The rotation pairs of ``ROWS`` head rows as two fp32 halves ``[ROWS, HALF_P]``: column
     ``c`` of each is pair ``c`` (NeoX: columns ``c`` and ``c + HALF``; GPT-J: ``2c`` and
     ``2c + 1``). NeoX loads each half as its own unit-stride tile; GPT-J loads whole rows and
     splits them with ``tl.split`` (no stride-2 load; as vllm-ascend's RoPE kernel does)."""
     if IS_NEOX:
-        x1 = _load_tile(base, n_rows, row0, stride_row, HALF, ROWS, HALF_P, BLOCK_PTR)
-        x2 = _load_tile(base + HALF, n_rows, row0, stride_row, HALF, ROWS, HALF_P, BLOCK_PTR)
+        x1 = _load_tile(base, n_rows, row0, stride_row, HALF, ROWS, HALF_P)
+        x2 = _load_tile(base + HALF, n_rows, row0, stride_row, HALF, ROWS, HALF_P)
     else:
-        x = _load_tile(base, n_rows, row0, stride_row, D, ROWS, D_P, BLOCK_PTR)
+        x = _load_tile(base, n_rows, row0, stride_row, D, ROWS, D_P)
         x1, x2 = tl.split(tl.reshape(x, (ROWS, HALF_P, 2)))
     return x1.to(tl.float32), x2.to(tl.float32)
 
@@ -351,7 +315,6 @@ def _attend_entry(
     IS_NEOX: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SCRATCH: tl.constexpr,
-    BLOCK_PTR: tl.constexpr,
 ):
     """Online softmax of the rows over block-table entry ``j``'s valid sub-tiles.
 
@@ -376,32 +339,30 @@ def _attend_entry(
         real = slot_f < v_end_f
         s_tile = scratch_ptr + _i64(j * B + row0) * D
         if SCRATCH == 2:
-            k1 = _load_tile(s_tile, rows_left, 0, D, HALF, BLOCK_N, HALF_P, BLOCK_PTR)
-            k2 = _load_tile(s_tile + HALF, rows_left, 0, D, HALF, BLOCK_N, HALF_P, BLOCK_PTR)
+            k1 = _load_tile(s_tile, rows_left, 0, D, HALF, BLOCK_N, HALF_P)
+            k2 = _load_tile(s_tile + HALF, rows_left, 0, D, HALF, BLOCK_N, HALF_P)
         else:
             k_tile = k_head_ptr + blk * stride_kb + _i64(row0) * stride_ks
             x1, x2 = _load_pairs(
-                k_tile, rows_left, 0, stride_ks, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, BLOCK_PTR
+                k_tile, rows_left, 0, stride_ks, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX
             )
             cs_tile = cos_sin_ptr + _i64(first - v_start + row0) * stride_cs
-            cos = _load_tile(cs_tile, rows_left, 0, stride_cs, HALF, BLOCK_N, HALF_P, BLOCK_PTR)
-            sin = _load_tile(
-                cs_tile + HALF, rows_left, 0, stride_cs, HALF, BLOCK_N, HALF_P, BLOCK_PTR
-            )
+            cos = _load_tile(cs_tile, rows_left, 0, stride_cs, HALF, BLOCK_N, HALF_P)
+            sin = _load_tile(cs_tile + HALF, rows_left, 0, stride_cs, HALF, BLOCK_N, HALF_P)
             k1, k2 = rotate(x1, x2, cos.to(tl.float32), sin.to(tl.float32))
             if not DOT_FP32:
                 k1 = k1.to(q1.dtype)
                 k2 = k2.to(q2.dtype)
             if SCRATCH == 1:
-                _store_tile(s_tile, k1, rows_left, 0, D, HALF, BLOCK_N, HALF_P, BLOCK_PTR)
-                _store_tile(s_tile + HALF, k2, rows_left, 0, D, HALF, BLOCK_N, HALF_P, BLOCK_PTR)
+                _store_tile(s_tile, k1, rows_left, 0, D, HALF, BLOCK_N, HALF_P)
+                _store_tile(s_tile + HALF, k2, rows_left, 0, D, HALF, BLOCK_N, HALF_P)
         s = half_scores(q1, q2, k1, k2, DOT_FP32)  # K is in the dot dtype already
         key_idx_f = slot_f + j * B
         allowed = real[None, :] & (key_idx_f[None, :] <= q_idx_f[:, None])
         p, alpha, m_new, l_i = softmax_step(s, allowed, m_i, l_i)
         # Rows past v_end load as zero: an uninitialised slot may hold NaN (0 * NaN = NaN).
         v_tile = v_head_ptr + blk * stride_vb + _i64(row0) * stride_vs
-        v = _load_tile(v_tile, rows_left, 0, stride_vs, D, BLOCK_N, D_P, BLOCK_PTR)
+        v = _load_tile(v_tile, rows_left, 0, stride_vs, D, BLOCK_N, D_P)
         acc = acc * alpha[:, None]
         if DOT_FP32:
             acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -426,14 +387,11 @@ def _rotated_q(
     D: tl.constexpr,
     D_P: tl.constexpr,
     IS_NEOX: tl.constexpr,
-    BLOCK_PTR: tl.constexpr,
 ):
     """One query's ``n_heads`` consecutive heads (rows ``stride_qh`` apart) rotated at ``pos``
     and pre-scaled, as two fp32 halves ``[GROUP_P, HALF_P]``. The position is one scalar and its
     cos/sin row one contiguous load, broadcast over the heads (vllm-ascend's RoPE kernel's form)."""
-    x1, x2 = _load_pairs(
-        q_row_ptr, n_heads, 0, stride_qh, GROUP_P, HALF, HALF_P, D, D_P, IS_NEOX, BLOCK_PTR
-    )
+    x1, x2 = _load_pairs(q_row_ptr, n_heads, 0, stride_qh, GROUP_P, HALF, HALF_P, D, D_P, IS_NEOX)
     c = tl.arange(0, HALF_P)
     cs = cos_sin_ptr + pos.to(tl.int64) * stride_cs
     cos = tl.load(cs + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
@@ -461,7 +419,6 @@ def _rope_q_kernel(
     D: tl.constexpr,
     D_P: tl.constexpr,
     IS_NEOX: tl.constexpr,
-    BLOCK_PTR: tl.constexpr,
 ):
     """Persistent: work item = (query, KV head). Rotates and pre-scales the KV head's ``GROUP``
     query heads and writes them, rotated halves side by side, in the dot dtype, to
@@ -474,12 +431,12 @@ def _rope_q_kernel(
         q_row = q_ptr + _i64(row) * stride_qt + (kv_head * GROUP) * stride_qh
         q1, q2 = _rotated_q(
             q_row, GROUP, pos, cos_sin_ptr, stride_qh, stride_cs, qk_scale,
-            GROUP_P, HALF, HALF_P, D, D_P, IS_NEOX, BLOCK_PTR,
+            GROUP_P, HALF, HALF_P, D, D_P, IS_NEOX,
         )  # fmt: skip
         dst = qr_ptr + _i64((kv_head * num_rows + row) * GROUP) * D
         ty = qr_ptr.dtype.element_ty
-        _store_tile(dst, q1.to(ty), GROUP, 0, D, HALF, GROUP_P, HALF_P, BLOCK_PTR)
-        _store_tile(dst + HALF, q2.to(ty), GROUP, 0, D, HALF, GROUP_P, HALF_P, BLOCK_PTR)
+        _store_tile(dst, q1.to(ty), GROUP, 0, D, HALF, GROUP_P, HALF_P)
+        _store_tile(dst + HALF, q2.to(ty), GROUP, 0, D, HALF, GROUP_P, HALF_P)
 
 
 @triton.jit
@@ -521,7 +478,6 @@ def _prefill_kernel(
     D_P: tl.constexpr,
     IS_NEOX: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    BLOCK_PTR: tl.constexpr,
 ):
     """Persistent: work item ``w`` = (run of queries ``w // Hkv``, KV head ``w % Hkv``).
 
@@ -549,8 +505,8 @@ def _prefill_kernel(
         o_head = out_ptr + head_rows
         done = nb * 0
         for f0 in range(f_lo, f_hi, ROWS):
-            q1 = _load_tile(q_head, f_hi, f0, D, HALF, ROWS, HALF_P, BLOCK_PTR)
-            q2 = _load_tile(q_head + HALF, f_hi, f0, D, HALF, ROWS, HALF_P, BLOCK_PTR)
+            q1 = _load_tile(q_head, f_hi, f0, D, HALF, ROWS, HALF_P)
+            q2 = _load_tile(q_head + HALF, f_hi, f0, D, HALF, ROWS, HALF_P)
             q_idx = tl.load(row_q_idx_ptr + f0 + r, mask=f0 + r < f_hi, other=-1)
             q_idx_f = q_idx.to(tl.float32)
             # Entries wholly after the tile's last query are never visited.
@@ -564,7 +520,6 @@ def _prefill_kernel(
                     stride_kb, stride_ks, stride_vb, stride_vs,
                     block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr,
                     cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, DOT_FP32, 2,
-                    BLOCK_PTR,
                 )  # fmt: skip
             for j in range(done, hi):
                 m_i, l_i, acc = _attend_entry(
@@ -572,12 +527,11 @@ def _prefill_kernel(
                     stride_kb, stride_ks, stride_vb, stride_vs,
                     block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr,
                     cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, DOT_FP32, 1,
-                    BLOCK_PTR,
                 )  # fmt: skip
             done = tl.maximum(done, hi)
             out = normalize(acc, l_i)
             ty = out_ptr.dtype.element_ty
-            _store_tile(o_head, out.to(ty), f_hi, f0, D, D, ROWS, D_P, BLOCK_PTR)
+            _store_tile(o_head, out.to(ty), f_hi, f0, D, D, ROWS, D_P)
 
 
 @triton.jit
@@ -623,7 +577,6 @@ def _decode_kernel(
     D_P: tl.constexpr,
     IS_NEOX: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    BLOCK_PTR: tl.constexpr,
 ):
     """Persistent: work item = (sequence, KV head, split); rows = the GROUP heads of its query
     (padded to ``GROUP_P`` >= 16 rows for ``tl.dot``). Each page is seen once per work item. The
@@ -643,7 +596,7 @@ def _decode_kernel(
         q_row = q_ptr + row.to(tl.int64) * stride_qt + head0 * stride_qh
         q1, q2 = _rotated_q(
             q_row, n_heads, pos, cos_sin_ptr, stride_qh, stride_cs, qk_scale,
-            GROUP_P, HALF, HALF_P, D, D_P, IS_NEOX, BLOCK_PTR,
+            GROUP_P, HALF, HALF_P, D, D_P, IS_NEOX,
         )  # fmt: skip
         if not DOT_FP32:
             q1 = q1.to(q_ptr.dtype.element_ty)
@@ -665,18 +618,16 @@ def _decode_kernel(
                 stride_kb, stride_ks, stride_vb, stride_vs,
                 block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr,
                 cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, DOT_FP32, 0,
-                BLOCK_PTR,
             )  # fmt: skip
         out = normalize(acc, l_i)
         if NUM_SPLITS == 1:
             o_row = out_ptr + row.to(tl.int64) * stride_ot + head0 * stride_oh
             ty = out_ptr.dtype.element_ty
-            _store_tile(o_row, out.to(ty), n_heads, 0, stride_oh, D, GROUP_P, D_P, BLOCK_PTR)
+            _store_tile(o_row, out.to(ty), n_heads, 0, stride_oh, D, GROUP_P, D_P)
         else:
             # Partials [T, Hq, NUM_SPLITS, D] and their log2-sum-exp [T, Hq, NUM_SPLITS] (fp32).
             part = (row.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head0) * NUM_SPLITS + split
-            _store_tile(part_ptr + part * D, out, n_heads, 0, NUM_SPLITS * D, D, GROUP_P, D_P,
-                        BLOCK_PTR)  # fmt: skip
+            _store_tile(part_ptr + part * D, out, n_heads, 0, NUM_SPLITS * D, D, GROUP_P, D_P)
             lse = log2_sum_exp(m_i, l_i)
             tl.store(lse_ptr + part + g * NUM_SPLITS, lse, mask=g < n_heads)
 
@@ -739,7 +690,8 @@ def decode_splits(cores: int, num_seqs: int, num_kv_heads: int, max_entries: int
 def check_supported(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: PagedRopeMetadata, rope: RopeSpec
 ) -> None:
-    """Shapes and dtypes this kernel takes; anything else raises before a launch."""
+    """Shapes and dtypes this kernel takes, and triton-ascend (the kernel's block pointers are
+    not in upstream Triton); anything else raises before a launch."""
     check_layout(query, kv_cache)
     _, _, bs, hkv, d = kv_cache.shape
     if query.shape[2] != d or rope.cos_sin_cache.shape[-1] != d or d % 2:
@@ -755,6 +707,12 @@ def check_supported(
             "multiple of 64 (Ascend: 128)"
         )
     check_tensors(query, kv_cache, meta)
+    if not ops.have_triton_ascend():
+        raise RuntimeError(
+            "the triton-ascend kernel needs triton-ascend (pip install triton-ascend==3.2.2; see "
+            f"docs/ascend.md), not upstream Triton (triton {triton.__version__} here): its tiles "
+            "are block pointers (tl.make_block_ptr), which upstream Triton removed"
+        )
     if query.device.type != "npu" and not INTERPRETED:
         raise RuntimeError(
             f"the triton-ascend kernel needs NPU tensors (got {query.device}); set "
@@ -873,11 +831,10 @@ def plan_launches(
     block_n: int | None = None,
     num_splits: int | None = None,
     half_dots: bool | None = None,
-    block_pointers: bool | None = None,
 ) -> LaunchPlan:
     """The launches ``rope_paged_attention_ascend`` makes for these inputs, without running them:
     the compile test (``tests/ops/test_ascend_compile.py``) compiles exactly these, and the UB
-    test reads their tiles. ``block_pointers`` overrides ``BLOCK_POINTERS`` (compile both forms).
+    test reads their tiles.
 
     ``kernel`` forces ``"prefill"`` or ``"decode"`` (default: decode when every sequence has at
     most one query). ``cores``, ``block_q`` (queries per tile), ``block_n`` (keys per sub-tile)
@@ -933,7 +890,6 @@ def plan_launches(
         D_P=pow2_at_least(d, 16),
         IS_NEOX=bool(rope.is_neox_style),
         DOT_FP32=dot_fp32,
-        BLOCK_PTR=BLOCK_POINTERS if block_pointers is None else block_pointers,
     )
     strides = launch_strides(query, out, k, v, tables[3], cos_sin)
     qk_scale = float(scale) * LOG2E
@@ -965,7 +921,7 @@ def plan_launches(
     q_rot = torch.empty(hkv, t * group, d, device=device, dtype=dot_dtype)
     out_rows = torch.empty(hkv, t * group, d, device=device, dtype=query.dtype)
     rope_q = {k: common[k] for k in ("NUM_KV_HEADS", "GROUP", "HALF", "HALF_P", "D", "D_P",
-                                     "IS_NEOX", "BLOCK_PTR")}  # fmt: skip
+                                     "IS_NEOX")}  # fmt: skip
     launches = [
         Launch(
             _rope_q_kernel, (min(cores * 2, t * hkv),),

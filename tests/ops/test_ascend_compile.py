@@ -4,10 +4,10 @@ The interpreter tests (``test_ascend_kernel.py``) run the kernels' Python and ne
 this compiles, for a 910B3 target, every launch the launcher plans (``plan_launches``) over the
 configurations the worker can launch: head 64/80/96/128/256 with every tile choice
 ``choose_tiles`` makes for them, fp16/bf16/fp32, prefill (with its query-rotation kernel) and
-split decode (with its combine kernel), block pointers on and off, NeoX and GPT-J rotation, GQA
-1-8, cos/sin in float32 or the model's dtype, at vllm-ascend's block size 128. The set is a
-covering set of that product (each feature combination below appears at least once), built
-once; identical compilations are done once. The doctor's self-test launches are compiled too.
+split decode (with its combine kernel), NeoX and GPT-J rotation, GQA 1-8, cos/sin in float32
+or the model's dtype, at vllm-ascend's block size 128. The set is a covering set of that product
+(each feature combination below appears at least once), built once; identical compilations are
+done once. The doctor's self-test launches are compiled too.
 
 Needs triton-ascend (``make test-ascend`` runs it, without ``TRITON_INTERPRET``); skipped elsewhere.
 Passing says only that these two stages accept the kernels: CANN's final stage
@@ -54,7 +54,6 @@ class Config:
     group: int
     decode: bool
     neox: bool = True
-    block_ptr: bool = True
     cos_sin_fp32: bool = False
 
     def tiles(self) -> tuple[int, int]:
@@ -66,7 +65,7 @@ class Config:
     def __str__(self) -> str:
         kind = "decode" if self.decode else "prefill"
         return (f"{kind}-h{self.head}-{str(self.dtype)[6:]}-gqa{self.group}-"
-                f"{'neox' if self.neox else 'gptj'}-{'bp' if self.block_ptr else 'ptr'}-"
+                f"{'neox' if self.neox else 'gptj'}-"
                 f"cs{'32' if self.cos_sin_fp32 else 'model'}")  # fmt: skip
 
 
@@ -76,12 +75,12 @@ def _features(c: Config) -> list[tuple]:
     return [
         ("tiles", k, c.head, c.tiles()),  # every choose_tiles result per head
         ("gqa", k, c.group, c.dtype),
-        ("form", k, c.head, c.neox, c.block_ptr),
-        ("form-dtype", k, c.dtype, c.neox, c.block_ptr),
+        ("form", k, c.head, c.neox),
+        ("form-dtype", k, c.dtype, c.neox),
         ("cos-sin", k, c.head, c.cos_sin_fp32),
         ("cos-sin-dtype", k, c.dtype, c.cos_sin_fp32),
         ("rotation", k, c.group, c.neox),
-        ("axes", k, c.neox, c.block_ptr, c.cos_sin_fp32),
+        ("axes", k, c.neox, c.cos_sin_fp32),
     ]
 
 
@@ -89,9 +88,9 @@ def covering_configs() -> list[Config]:
     """Greedy set cover of the whole product: repeatedly keep the configuration that adds the
     most features not yet covered (deterministic: ties go to the earliest in product order)."""
     product = [
-        Config(head, dtype, group, decode, neox, bp, cs32)
-        for decode, head, dtype, group, neox, bp, cs32 in itertools.product(
-            (False, True), HEADS, DTYPES, GROUPS, (True, False), (True, False), (False, True)
+        Config(head, dtype, group, decode, neox, cs32)
+        for decode, head, dtype, group, neox, cs32 in itertools.product(
+            (False, True), HEADS, DTYPES, GROUPS, (True, False), (False, True)
         )
     ]
     features = {c: set(_features(c)) for c in product}
@@ -131,7 +130,6 @@ def planned(c: Config) -> list[asc.Launch]:
     plan = asc.plan_launches(
         query, kv, meta, rope, scale, kernel="decode" if c.decode else "prefill", cores=CORES,
         num_splits=2 if c.decode else None, half_dots=c.dtype != torch.float32,
-        block_pointers=c.block_ptr,
     )  # fmt: skip
     return plan.launches
 
@@ -156,8 +154,8 @@ def test_the_covering_set_spans_the_configuration_list():
     assert {c.head for c in CONFIGS} == set(HEADS)
     assert {c.dtype for c in CONFIGS} == set(DTYPES)
     assert {c.group for c in CONFIGS} == set(GROUPS)
-    assert {(c.decode, c.neox, c.block_ptr, c.cos_sin_fp32) for c in CONFIGS} == set(
-        itertools.product((False, True), repeat=4)
+    assert {(c.decode, c.neox, c.cos_sin_fp32) for c in CONFIGS} == set(
+        itertools.product((False, True), repeat=3)
     )
     for decode, head, dtype, group in itertools.product((False, True), HEADS, DTYPES, GROUPS):
         tiles = Config(head, dtype, group, decode).tiles()

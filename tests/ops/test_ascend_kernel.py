@@ -3,13 +3,12 @@
 Two kinds of check. The UB tests (pure Python) run everywhere triton is installed: they run the
 launcher with its kernels replaced by a recorder and check the tile sizes it picked against the
 96 KB double-buffered budget of A2's unified buffer, using the module's own ``ub_tiles`` estimate.
-The kernel tests need an interpreter: ``TRITON_INTERPRET=1`` must be set before triton is imported.
-They run in process under ``make test-ascend`` (triton-ascend's interpreter, block-pointer Q loads)
-and ``TRITON_INTERPRET=1 pytest tests/ops/test_ascend_kernel.py`` (upstream Triton's, affine Q
-boxes); in a plain ``pytest`` run ``test_interpreter_suite_in_subprocess`` reruns this file in a
-fresh process with the variable set (as ``tests/ops/test_triton.py`` does). Results are checked
-against the dense float64 oracle and the torch reference, with fp32 dots and with the fp16/bf16
-dots the NPU would run. Nothing here says the kernel compiles or runs on an NPU.
+The kernel tests need triton-ascend's interpreter (the kernel's tiles are block pointers, which
+upstream Triton removed): they run in process under ``make test-ascend`` (``.venv-ascend``, with
+``TRITON_INTERPRET=1`` set before triton is imported) and skip elsewhere; under upstream Triton
+the launcher only has to refuse, clearly. Results are checked against the dense float64 oracle and
+the torch reference, with fp32 dots and with the fp16/bf16 dots the NPU would run. Nothing here
+says the kernel compiles or runs on an NPU.
 """
 
 from __future__ import annotations
@@ -24,10 +23,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ascend_mepic.ops import RopeSpec
+from ascend_mepic.ops import RopeSpec, have_triton_ascend
 from ascend_mepic.ops.reference import rope_paged_attention_reference
 from tests.ops.interpreter_dots import bf16_dots as bf16_dots  # the fixture
-from tests.ops.interpreter_subprocess import run_interpreted
 from tests.ops.oracle import Batch, dense_oracle, random_batch
 
 if importlib.util.find_spec("triton") is None:
@@ -36,13 +34,17 @@ if importlib.util.find_spec("triton") is None:
 import triton  # noqa: E402
 
 asc = importlib.import_module("ascend_mepic.ops.triton_ascend")
+TRITON_ASCEND = have_triton_ascend()
 # Interpreted only if TRITON_INTERPRET was set before this process first imported triton.
 IN_PROCESS = asc.INTERPRETED and type(triton.language.standard.max).__name__ == (
     "InterpretedFunction"
 )
-interpreted = pytest.mark.skipif(
-    not IN_PROCESS, reason="needs TRITON_INTERPRET=1 from process start; run in a subprocess"
-)
+if not TRITON_ASCEND:
+    _NOT_HERE = ("needs triton-ascend's interpreter (the kernel's block pointers are not in "
+                 "upstream Triton): make test-ascend runs it")  # fmt: skip
+else:
+    _NOT_HERE = "needs TRITON_INTERPRET=1 from process start (make test-ascend sets it)"
+interpreted = pytest.mark.skipif(not (TRITON_ASCEND and IN_PROCESS), reason=_NOT_HERE)
 # triton-ascend 3.2.0's interpreter indexes numpy arrays the way numpy 1.25+ deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 MAX_SEGMENT = 40
@@ -278,8 +280,9 @@ def test_decode_split_choice_fills_the_cores():
     assert asc.decode_splits(20, 1, 1, 3) == 1  # too few entries to split
 
 
-def test_interpreter_suite_in_subprocess():
-    """Run this file with ``TRITON_INTERPRET=1`` set before anything imports triton."""
-    if IN_PROCESS:
-        pytest.skip("already interpreted in this process")
-    run_interpreted(__file__, timeout=900)
+def test_refuses_to_run_without_triton_ascend(monkeypatch):
+    """Under upstream Triton (no block pointers) the launcher says so before any launch."""
+    monkeypatch.setattr("ascend_mepic.ops.have_triton_ascend", lambda: False)
+    b = random_batch(3, 16, 2, 2, max_segment=20)
+    with pytest.raises(RuntimeError, match="needs triton-ascend.*block pointers"):
+        run(b)
