@@ -103,6 +103,16 @@ class Admission(ABC):
         (as vLLM counts them)."""
 
     @abstractmethod
+    def longest_hit(self, request: Request, st: RequestState) -> list[KVCacheBlock]:
+        """``KVCacheManager.get_computed_blocks`` for a tracked request: its leading blocks
+        already in vLLM's prefix cache (the last prompt token is always recomputed)."""
+
+    @abstractmethod
+    def hit_tokens(self, st: RequestState, num_hits: int) -> int:
+        """The in-context tokens the first ``num_hits`` prefix-cache hits hold (what
+        ``get_computed_blocks`` reports as computed)."""
+
+    @abstractmethod
     def admit(
         self,
         request: Request,

@@ -306,6 +306,16 @@ class ChunkCache:
         if entry.refs == 0:
             self.lru.add(entry)
 
+    def unpin_all(self, chunk_ids: Iterable[ChunkId]) -> int:
+        """Unpin each resident, pinned chunk of ``chunk_ids``; returns how many were."""
+        count = 0
+        for chunk_id in chunk_ids:
+            entry = self.entries.get(chunk_id)
+            if entry is not None and entry.pinned:
+                self.unpin(entry)
+                count += 1
+        return count
+
     def evict(self, entry: ChunkEntry) -> None:
         assert entry.refs == 0 and not entry.pinned
         self.lru.discard(entry)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ascend_mepic.core.errors import MepicUnsupportedError
 from ascend_mepic.core.policies import Placement, Policy
+from ascend_mepic.vllm_integration.core_types import FullAttentionSpec, KVCacheConfig
 
 
 class UnsupportedEngineFeature(ValueError):
@@ -71,4 +73,20 @@ def check_engine_supported(vllm_config: Any, policy: Policy, tier_enabled: bool)
         raise UnsupportedEngineFeature(
             "MEPIC cannot run with: " + "; ".join(reasons) + ". Turn MEPIC off (drop 'mepic' "
             "from --additional-config) or remove these settings."
+        )
+
+
+def check_kv_cache_supported(config: KVCacheConfig) -> None:
+    """The KV cache MEPIC's manager can hold: one group of full attention (its tables and slot
+    arithmetic assume one block size and no sliding window)."""
+    groups = config.kv_cache_groups
+    if len(groups) != 1:
+        raise MepicUnsupportedError(
+            f"MEPIC needs a single KV cache group; this model has {len(groups)} "
+            "(hybrid or sliding-window models are not supported)"
+        )
+    spec = groups[0].kv_cache_spec
+    if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
+        raise MepicUnsupportedError(
+            f"MEPIC supports full attention only, got {type(spec).__name__}"
         )

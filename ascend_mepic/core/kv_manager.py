@@ -22,12 +22,13 @@ KVCacheCoordinator -> SingleTypeKVCacheManager -> BlockPool:
 
 * ``RequestIntake`` (request_intake.py): validation, layout, chunk identity, block roles,
   placement and layout-keyed hashes of a request (its ``RequestState``);
-* ``HitLookup`` (hit_lookup.py): prefix-cache and chunk-cache hits;
-* ``Admission`` (admission.py): whole-layout admission, growth, prefix-cache insertion, release,
-  one class per placement chosen once from the policy: ``PackedAdmission`` (shared placement,
-  packed_admission.py) and ``PaddedAdmission`` (private and none, padded_admission.py);
+* ``Admission`` (admission.py): prefix-cache hits, whole-layout admission, growth, prefix-cache
+  insertion, release; one class per placement, chosen once from the policy: ``PackedAdmission``
+  (shared placement, packed_admission.py) and ``PaddedAdmission`` (private and none,
+  padded_admission.py);
 * ``HostStoreStaging`` / ``TierTransfers`` (chunk_transfers.py): host-store and tier transfers;
 * ``StepRoom`` (step_room.py): the step's compile room and its compiles;
+* ``StepPlanner`` (step_planner.py): each step's ``StepPlan`` from the parts' queues;
 * ``MepicCounters`` (counters.py), ``KVAccounting`` (kv_accounting.py): counts, metrics;
 * ``KVSettings`` (kv_settings.py): policy, dummy token, host store, tier, limits (frozen).
 
@@ -46,21 +47,18 @@ from ascend_mepic.core.admission import Admission
 from ascend_mepic.core.chunk_cache import ChunkCache
 from ascend_mepic.core.chunk_transfers import HostStoreStaging, TierTransfers
 from ascend_mepic.core.counters import MepicCounters
+from ascend_mepic.core.engine_support import check_kv_cache_supported
 from ascend_mepic.core.errors import MepicCapacityError, MepicUnsupportedError
-from ascend_mepic.core.hit_lookup import HitLookup
 from ascend_mepic.core.identity import ChunkId
 from ascend_mepic.core.kv_accounting import KVAccounting
 from ascend_mepic.core.kv_settings import KVSettings
 from ascend_mepic.core.packed_admission import PackedAdmission
 from ascend_mepic.core.padded_admission import PaddedAdmission
 from ascend_mepic.core.plan import (
-    ChunkSave,
     ExtraSequence,
     RequestPlan,
-    SequencePlacement,
     StepPlan,
 )
-from ascend_mepic.core.policies import Policy
 from ascend_mepic.core.request_intake import (
     BlockRole,
     RequestIntake,
@@ -68,13 +66,10 @@ from ascend_mepic.core.request_intake import (
     mepic_block_hashes,
 )
 from ascend_mepic.core.segments import Layout
+from ascend_mepic.core.step_planner import StepPlanner
 from ascend_mepic.core.step_room import StepRoom
-from ascend_mepic.tier.host_store import HostChunkStore
-from ascend_mepic.tier.index import TierIndex
 from ascend_mepic.vllm_integration.core_types import (
-    FullAttentionSpec,
     KVCacheBlock,
-    KVCacheConfig,
     Request,
     RequestStatus,
 )
@@ -103,7 +98,7 @@ class MepicKVCacheManager(KVCacheManager):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self._check_supported(self.kv_cache_config)
+        check_kv_cache_supported(self.kv_cache_config)
         self.hash_fn = hash_fn
         self.model_fingerprint = model_fingerprint
         self.counters = MepicCounters()
@@ -130,7 +125,6 @@ class MepicKVCacheManager(KVCacheManager):
             hash_fn=hash_fn,
             model_fingerprint=model_fingerprint,
         )
-        self.lookup = HitLookup(**common)
         # The placement's admission, chosen once: packed (shared placement) or padded.
         admission_cls = PackedAdmission if self.settings.policy.packed else PaddedAdmission
         self.admission: Admission = admission_cls(
@@ -148,6 +142,13 @@ class MepicKVCacheManager(KVCacheManager):
         self.tier_transfers = TierTransfers(
             **common, room=self.room, counters=self.counters, watermark_blocks=self.watermark_blocks
         )
+        self.planner = StepPlanner(
+            self.room,
+            self.admission,
+            self.tier_transfers,
+            self._states,
+            self.settings.dummy_token_id,
+        )
         self.accounting = KVAccounting(
             **common,
             counters=self.counters,
@@ -157,40 +158,7 @@ class MepicKVCacheManager(KVCacheManager):
             tier_transfers=self.tier_transfers,
         )
 
-    @staticmethod
-    def _check_supported(config: KVCacheConfig) -> None:
-        groups = config.kv_cache_groups
-        if len(groups) != 1:
-            raise MepicUnsupportedError(
-                f"MEPIC needs a single KV cache group; this model has {len(groups)} "
-                "(hybrid or sliding-window models are not supported)"
-            )
-        spec = groups[0].kv_cache_spec
-        if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
-            raise MepicUnsupportedError(
-                f"MEPIC supports full attention only, got {type(spec).__name__}"
-            )
-
     # ---------------------------------------------------------------- settings (read-only)
-
-    @property
-    def policy(self) -> Policy:
-        return self.settings.policy
-
-    @property
-    def dummy_token_id(self) -> int:
-        """LegoLink-0's dummy token (the model's BOS)."""
-        return self.settings.dummy_token_id
-
-    @property
-    def store(self) -> HostChunkStore | None:
-        """The host chunk store (loading policies)."""
-        return self.settings.store
-
-    @property
-    def tier(self) -> TierIndex | None:
-        """The off-device tier's index (when the tier is configured)."""
-        return self.settings.tier
 
     @property
     def num_blocks(self) -> int:
@@ -274,77 +242,14 @@ class MepicKVCacheManager(KVCacheManager):
     def take_step_plan(
         self, step: int, new_request_ids: Iterable[str]
     ) -> tuple[StepPlan, list[ExtraSequence]]:
-        """This step's plan for the workers and its extra sequences, taken once.
-
-        The plan places the new (and resumed) tracked requests and this step's extra sequences:
-        each chunk compile (the chunk alone from position 0, its private tokens in scratch
-        blocks, its canonical tokens where the chunk arena placed them) and each tier load (one
-        dummy token whose blocks the worker fills before the forward). It carries the host loads,
-        the host-store saves and tier puts of the compiles, and the chunk moves (run first).
-        """
-        placements: dict[str, SequencePlacement] = {}
-        for request_id in new_request_ids:
-            st = self._states.get(request_id)
-            if st is not None and st.placement is not None:
-                placements[request_id] = st.placement
-        extra: list[ExtraSequence] = []
-        tier_loads = tuple(self.tier_transfers.take_step_loads())
-        for load in tier_loads:
-            extra.append(
-                ExtraSequence(load.io_id, (self.dummy_token_id,), (load.scratch_block_id,))
-            )
-        host_saves: list[ChunkSave] = []
-        tier_puts: list[ChunkSave] = []
-        for request_id, compile_ in self.room.take_compiles():
-            seq_id = f"mepic-compile-{compile_.chunk_id[:16]}-{request_id}"
-            tokens = (*compile_.dummy_tokens, *compile_.token_ids)
-            lengths = tuple((kind, n) for kind, n in compile_.segment_lengths)
-            packing = (compile_.packing,) if compile_.packing is not None else None
-            placements[seq_id] = SequencePlacement(
-                lengths, len(tokens), compile=True, packing=packing
-            )
-            if compile_.store_blocks:
-                blocks = compile_.block_ids[-compile_.store_blocks :]
-                host_saves.append(
-                    ChunkSave(
-                        compile_.chunk_id, blocks, len(compile_.token_ids), compile_.store_scores
-                    )
-                )
-            elif compile_.packing is not None and self.tier_transfers.wants_offload(
-                compile_.chunk_id
-            ):
-                tier_puts.append(
-                    ChunkSave(
-                        compile_.chunk_id,
-                        compile_.canonical_block_ids,
-                        compile_.num_canonical,
-                        offset=compile_.packing[1],
-                    )
-                )
-            extra.append(ExtraSequence(seq_id, tokens, tuple(compile_.block_ids)))
-        plan = StepPlan(
-            step=step,
-            placements=placements,
-            host_loads=tuple(self.admission.take_host_loads()),
-            host_saves=tuple(host_saves),
-            tier_puts=tuple(tier_puts),
-            tier_loads=tier_loads,
-            chunk_moves=tuple(self.admission.take_moves()),
-        )
-        return plan, extra
+        """This step's plan for the workers and its extra sequences, taken once
+        (``StepPlanner.take``)."""
+        return self.planner.take(step, new_request_ids)
 
     def unpin_chunks(self, request: Request) -> int:
-        """Unpin the chunks of a control request (its segments name them); returns how many.
-
-        Unpinned chunks stay resident and follow the LRU like any idle chunk.
-        """
-        count = 0
-        for chunk_id in self.intake.named_chunks(request):
-            entry = self.chunk_cache.lookup(chunk_id)
-            if entry is not None and entry.pinned:
-                self.chunk_cache.unpin(entry)
-                count += 1
-        return count
+        """Unpin the chunks a control request names; returns how many. Unpinned chunks stay
+        resident and follow the LRU like any idle chunk."""
+        return self.chunk_cache.unpin_all(self.intake.named_chunks(request))
 
     # ---------------------------------------------------------------- vLLM's KVCacheManager API
 
@@ -354,10 +259,8 @@ class MepicKVCacheManager(KVCacheManager):
             return super().get_computed_blocks(request)
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
-        hits = self.lookup.longest_hit(request, st)
-        if st.shared:  # hits are private blocks of the dense private stream
-            return self.create_kv_cache_blocks((hits,)), len(hits) * self.mepic_block_size, 0
-        return self.create_kv_cache_blocks((hits,)), st.compact_before[len(hits)], 0
+        hits = self.admission.longest_hit(request, st)
+        return self.create_kv_cache_blocks((hits,)), self.admission.hit_tokens(st, len(hits)), 0
 
     def allocate_slots(
         self,
@@ -379,40 +282,9 @@ class MepicKVCacheManager(KVCacheManager):
         if not self.room.claim(request.request_id, num_new_tokens, force=running):
             self.counters.admissions_deferred += 1  # the step's compiles filled the batch
             return None
-        blocks = self._allocate_slots(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            num_encoder_tokens,
-            full_sequence_must_fit,
-            reserved_blocks,
-            has_scheduled_reqs,
-        )
-        if blocks is None:
-            self.room.release(request.request_id)
-        return blocks
-
-    def _allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: KVCacheBlocks | None,
-        num_lookahead_tokens: int,
-        num_external_computed_tokens: int,
-        delay_cache_blocks: bool,
-        num_encoder_tokens: int,
-        full_sequence_must_fit: bool,
-        reserved_blocks: int,
-        has_scheduled_reqs: bool,
-    ) -> KVCacheBlocks | None:
         st = self._states.get(request.request_id)
         if st is None:
-            return super().allocate_slots(
+            blocks = super().allocate_slots(
                 request,
                 num_new_tokens,
                 num_new_computed_tokens=num_new_computed_tokens,
@@ -425,22 +297,24 @@ class MepicKVCacheManager(KVCacheManager):
                 reserved_blocks=reserved_blocks,
                 has_scheduled_reqs=has_scheduled_reqs,
             )
-        if num_external_computed_tokens:
+        elif num_external_computed_tokens:
             raise MepicUnsupportedError("KV connectors are not supported with MEPIC requests yet")
-        new_blocks = self.admission.allocate(
-            request,
-            st,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            delay_cache_blocks,
-            reserved_blocks,
-            has_scheduled_reqs,
-        )
-        if new_blocks is None:
-            return None
-        return self.create_kv_cache_blocks((new_blocks,))
+        else:
+            new_blocks = self.admission.allocate(
+                request,
+                st,
+                num_new_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                num_lookahead_tokens,
+                delay_cache_blocks,
+                reserved_blocks,
+                has_scheduled_reqs,
+            )
+            blocks = None if new_blocks is None else self.create_kv_cache_blocks((new_blocks,))
+        if blocks is None:
+            self.room.release(request.request_id)
+        return blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         st = self._states.get(request.request_id)
@@ -459,7 +333,7 @@ class MepicKVCacheManager(KVCacheManager):
         Called before finished requests are released, so a request that ends in the step that
         compiled its chunks leaves them resident (idle) rather than dropping them.
         """
-        if scheduled_ids is not None and self.tier is not None:
+        if scheduled_ids is not None and self.settings.tier is not None:
             self.tier_transfers.step_finished(scheduled_ids)
         self.admission.commit_compiled()
         self.admission.moves = []  # sent with the step that ran (kvsim has no worker to send to)
@@ -506,10 +380,6 @@ class MepicKVCacheManager(KVCacheManager):
     def block_categories(self) -> dict[str, int]:
         """Every usable block in exactly one category (they add up to the pool size minus one)."""
         return self.accounting.block_categories()
-
-    def tier_metrics(self) -> dict[str, Any]:
-        """Tier hits, loads, fallbacks, bytes moved and the load-or-compute decisions."""
-        return self.accounting.tier_metrics()
 
     def metrics(self) -> dict[str, int]:
         return self.accounting.metrics()

@@ -22,6 +22,7 @@ from ascend_mepic.vllm_integration.core_types import KVCacheBlock, Request
 from ascend_mepic.vllm_integration.kv_cache import (
     block_table,
     cache_private_blocks,
+    cached_block,
     get_num_cached_blocks,
     install_block_table,
     num_in_free_queue,
@@ -36,6 +37,21 @@ class PackedAdmission(Admission):
         # vLLM counts the private stream (in-context tokens, then decode): it is dense, so private
         # blocks follow vLLM's own arithmetic.
         return -(-num_tokens // self.block_size)
+
+    def longest_hit(self, request: Request, st: RequestState) -> list[KVCacheBlock]:
+        # The leading private blocks under their chained hashes (the chunks between them are
+        # named in the hashes; whether they are resident is settled at admission). The last
+        # prompt token is always recomputed: at most (n - 1) // B full blocks.
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[: (st.num_in_context - 1) // st.layout.block_size]:
+            block = cached_block(self.block_pool, block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def hit_tokens(self, st: RequestState, num_hits: int) -> int:
+        return num_hits * self.block_size  # hits are full blocks of the dense private stream
 
     def admit(
         self,

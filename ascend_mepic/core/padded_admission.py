@@ -15,6 +15,7 @@ from ascend_mepic.vllm_integration.core_types import KVCacheBlock, Request
 from ascend_mepic.vllm_integration.kv_cache import (
     block_table,
     cache_private_blocks,
+    cached_block,
     get_num_cached_blocks,
     install_block_table,
     num_in_free_queue,
@@ -28,6 +29,22 @@ class PaddedAdmission(Admission):
     def _num_blocks(self, st: RequestState, num_tokens: int) -> int:
         # The table follows the padded layout; vLLM counts in-context tokens.
         return -(-min(st.padded_end(num_tokens), self.max_model_len) // self.block_size)
+
+    def longest_hit(self, request: Request, st: RequestState) -> list[KVCacheBlock]:
+        # The leading layout blocks in the prefix cache; the last layout block holds the last
+        # prompt token, which is always recomputed. No shared blocks in the padded layout.
+        hits: list[KVCacheBlock] = []
+        for i in range(min(st.layout.num_blocks - 1, len(request.block_hashes))):
+            if st.roles[i] is BlockRole.SHARED:
+                break
+            block = cached_block(self.block_pool, request.block_hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def hit_tokens(self, st: RequestState, num_hits: int) -> int:
+        return st.compact_before[num_hits]  # in-context tokens before the first missed block
 
     def admit(
         self,

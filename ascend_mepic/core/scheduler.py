@@ -74,6 +74,7 @@ class MepicScheduler(Scheduler):
         self._staged: dict[str, tuple[Request, Layout, dict[int, ChunkId | None]]] = {}
         old = self.kv_cache_manager
         model = self.vllm_config.model_config
+        self.kv_settings = self._kv_settings()
         manager = MepicKVCacheManager(
             kv_cache_config=old.kv_cache_config,
             max_model_len=old.max_model_len,
@@ -95,7 +96,7 @@ class MepicScheduler(Scheduler):
                 model.revision,
                 weights=weights_digest(model.model, model.revision),
             ),
-            settings=self._kv_settings(),
+            settings=self.kv_settings,
         )
         install_kv_manager(self, manager)
         if self.pic_policy.placement is not Placement.NONE:
@@ -171,7 +172,7 @@ class MepicScheduler(Scheduler):
             self._finish_now(request, status)
             return
         try:
-            stages = self.pic_policy.loads_kv or manager.tier is not None
+            stages = self.pic_policy.loads_kv or self.kv_settings.tier is not None
             found = manager.inspect(request) if stages else None
             if found is not None and (
                 self.pic_policy.loads_kv or manager.tier_wanted(found[1], count=True)
