@@ -7,6 +7,7 @@ This follows the convention vllm-ascend uses for its own options. With no ``mepi
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -15,6 +16,11 @@ from ascend_mepic.core.policies import Placement, Policy, parse_policy
 from ascend_mepic.core.request_limits import DEFAULT_MAX_CHUNKS
 from ascend_mepic.core.segments import DEFAULT_PAD_TOKEN_ID
 from ascend_mepic.tier.index import TierConfig
+
+# ``ascend-mepic serve``'s own stats file (one per server) reaches its engine processes here, not
+# in ``additional_config``: vLLM hashes ``additional_config`` into the key of its compile cache,
+# so a fresh path there made every server start miss that cache and compile the model again.
+STATS_FILE_ENV = "ASCEND_MEPIC_STATS_FILE"
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,8 @@ class MepicConfig:
     # can slow the step's decodes, and requests whose new chunks exceed it are rejected.
     compile_token_fraction: float = 1.0
     # Where the engine publishes MEPIC's metrics as JSON for the API server's /metrics and
-    # /v1/mepic/stats (the engine core runs in another process); "" disables it.
+    # /v1/mepic/stats (the engine core runs in another process); "" disables it. Unset, it is
+    # $ASCEND_MEPIC_STATS_FILE (set by ``ascend-mepic serve``), if any.
     stats_file: str = ""
     # Where private-placement policies keep canonical chunk KV (host memory, shared by the
     # scheduler and worker processes); "" = a per-engine directory under /dev/shm.
@@ -60,6 +67,8 @@ class MepicConfig:
         if unknown:
             raise ValueError(f"unknown MEPIC option(s) {unknown}; known: {sorted(known)}")
         config = cls(**raw)
+        if "stats_file" not in raw and os.environ.get(STATS_FILE_ENV):
+            config = dataclasses.replace(config, stats_file=os.environ[STATS_FILE_ENV])
         parse_policy(config.policy)  # ValueError names the choices
         if type(config.max_chunks_per_request) is not int or config.max_chunks_per_request < 1:
             raise ValueError(

@@ -72,19 +72,21 @@ def test_ascend_mepic_serve_arguments_start_on_vllm_ascend(tiny_model):
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from ascend_mepic.config import STATS_FILE_ENV
     from ascend_mepic.entrypoints.server.launch import apply_mepic_defaults
     from ascend_mepic.vllm_integration.class_names import NPU_WORKER_CLS, SCHEDULER_CLS
 
     parser = make_arg_parser(FlexibleArgumentParser())
     args = parser.parse_args([tiny_model, "--dtype", "float32", "--max-model-len", "512"])
     args.model = args.model_tag
-    temp = apply_mepic_defaults(args, is_cpu=False)
+    environ: dict[str, str] = {}
+    temp = apply_mepic_defaults(args, is_cpu=False, environ=environ)
     config = EngineArgs.from_cli_args(args).create_engine_config()
     assert config.parallel_config.worker_cls == NPU_WORKER_CLS
     assert config.scheduler_config.scheduler_cls == SCHEDULER_CLS
     assert config.scheduler_config.async_scheduling is False
     assert config.model_config.enforce_eager
-    assert config.additional_config["mepic"]["stats_file"].startswith(temp)
+    assert environ[STATS_FILE_ENV].startswith(temp)  # not in additional_config (vLLM's hash)
 
 
 def test_block_table_split_is_refused_under_vllm_ascends_attribute_name():

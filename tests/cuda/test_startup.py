@@ -12,6 +12,7 @@ error (pydantic wraps ``VllmConfig.__post_init__``'s ``ValueError``), MEPIC's me
 from __future__ import annotations
 
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -52,7 +53,9 @@ def serve_config(model: str, *argv: str):
     register()
     args = make_arg_parser(FlexibleArgumentParser()).parse_args([model, "--max-model-len", "512"])
     args.model = args.model_tag
-    apply_mepic_defaults(args, is_cpu=False)
+    temp = apply_mepic_defaults(args, is_cpu=False, environ={})  # the stats file: not used here
+    if temp is not None:
+        shutil.rmtree(temp)
     return EngineArgs.from_cli_args(args).create_engine_config()
 
 

@@ -419,9 +419,10 @@ def test_plugin_changes_nothing_without_mepic_config():
         assert not hasattr(app.state, "mepic_config")
 
 
-def test_serve_defaults_merge_with_user_options():
+def test_serve_defaults_merge_with_user_options(monkeypatch):
     import shutil
 
+    from ascend_mepic.config import STATS_FILE_ENV, MepicConfig
     from ascend_mepic.entrypoints.server import apply_mepic_defaults
 
     def args(**kw) -> Namespace:
@@ -434,23 +435,28 @@ def test_serve_defaults_merge_with_user_options():
         )
         return Namespace(**{**base, **kw})
 
-    a = args()
-    temp = apply_mepic_defaults(a, is_cpu=True)
+    a, environ = args(), {}
+    temp = apply_mepic_defaults(a, is_cpu=True, environ=environ)
     assert a.scheduler_cls == "ascend_mepic.core.scheduler.MepicScheduler"
     assert a.worker_cls == "ascend_mepic.worker.cpu_worker.MepicCPUWorker"
     assert a.enable_prefix_caching is True and a.block_size == 32
     assert a.async_scheduling is False
-    assert a.additional_config["mepic"]["stats_file"].startswith(temp)
+    # The server's own stats file travels in the environment: the engine configuration (vLLM's
+    # compile cache key) is the same at every start.
+    assert a.additional_config == {"mepic": {}}
+    assert environ[STATS_FILE_ENV].startswith(temp)
+    monkeypatch.setenv(STATS_FILE_ENV, environ[STATS_FILE_ENV])
+    assert MepicConfig.from_additional_config(a.additional_config).stats_file.startswith(temp)
     shutil.rmtree(temp)
 
     a = args(block_size=16, additional_config={"x": 1, "mepic": {"stats_file": "/s.json"}})
-    assert apply_mepic_defaults(a, is_cpu=True) is None
+    assert apply_mepic_defaults(a, is_cpu=True, environ=environ) is None
     assert a.block_size == 16
     assert a.additional_config == {"x": 1, "mepic": {"stats_file": "/s.json"}}
     with pytest.raises(ValueError, match="prefix caching"):
-        apply_mepic_defaults(args(enable_prefix_caching=False), is_cpu=True)
+        apply_mepic_defaults(args(enable_prefix_caching=False), is_cpu=True, environ=environ)
     with pytest.raises(ValueError, match="async scheduling"):
-        apply_mepic_defaults(args(async_scheduling=True), is_cpu=True)
+        apply_mepic_defaults(args(async_scheduling=True), is_cpu=True, environ=environ)
     with pytest.raises(ValueError, match="unknown MEPIC option"):
         apply_mepic_defaults(
             args(additional_config={"mepic": {"bogus": 1, "stats_file": "/s"}}), is_cpu=True

@@ -12,7 +12,7 @@ from argparse import Namespace
 from collections.abc import MutableMapping, Sequence
 from importlib.metadata import distributions, entry_points
 
-from ascend_mepic.config import MepicConfig
+from ascend_mepic.config import STATS_FILE_ENV, MepicConfig
 from ascend_mepic.entrypoints.server.endpoint_plugin import (
     ENDPOINT_ENTRY_POINT,
     ENDPOINT_PLUGINS_GROUP,
@@ -59,10 +59,15 @@ def allow_mepic_plugins(environ: MutableMapping[str, str] = os.environ) -> str:
     return environ["VLLM_PLUGINS"]
 
 
-def apply_mepic_defaults(args: Namespace, is_cpu: bool) -> str | None:
+def apply_mepic_defaults(
+    args: Namespace, is_cpu: bool, environ: MutableMapping[str, str] = os.environ
+) -> str | None:
     """Fill in MEPIC's server options the user left unset; returns a temp dir to remove.
 
-    User-given values win, except those MEPIC cannot work with (an error says which).
+    User-given values win, except those MEPIC cannot work with (an error says which). Without a
+    ``stats_file`` option the server's stats file is a fresh one in the returned temp dir, named
+    in ``environ`` (``config.STATS_FILE_ENV``) rather than in ``additional_config``, so that the
+    engine configuration, and with it vLLM's compile cache key, is the same at every start.
     """
     if args.scheduler_cls is None:
         args.scheduler_cls = SCHEDULER_CLS
@@ -94,8 +99,9 @@ def apply_mepic_defaults(args: Namespace, is_cpu: bool) -> str | None:
     mepic = dict(mepic)
     temp_dir = None
     if not mepic.get("stats_file"):
+        mepic.pop("stats_file", None)
         temp_dir = tempfile.mkdtemp(prefix="ascend-mepic-")
-        mepic["stats_file"] = os.path.join(temp_dir, "stats.json")
+        environ[STATS_FILE_ENV] = os.path.join(temp_dir, "stats.json")
     additional["mepic"] = mepic
     MepicConfig.from_additional_config(additional)  # unknown options fail now, not later
     args.additional_config = additional
