@@ -5,10 +5,9 @@ tile) run only where the CPU has AMX, so on every other machine ``test_cpu_kerne
 their cases. The emulation build (``-DMEPIC_AMX_EMULATE``: the tile instructions done in scalar
 code, everything around them native; see the kernel source) runs them on any CPU with
 AVX512-BF16. Here it is built into a temporary folder, loaded in a fresh process in place of
-the prebuilt library, and ``test_cpu_kernel.py`` runs against it with the AMX paths on, but for
-the cases that never reach a tile (``NOT_ON_TILES``): every AMX case runs (none skipped) and
-passes. It checks the paths' results, not their speed; on an AMX machine
-``test_cpu_kernel.py`` runs the same cases on the hardware as well.
+the prebuilt library, and the whole of ``test_cpu_kernel.py`` runs against it with the AMX paths
+on: every AMX case runs (none skipped) and passes. It checks the paths' results, not their speed;
+on an AMX machine ``test_cpu_kernel.py`` runs the same cases on the hardware as well.
 """
 
 from __future__ import annotations
@@ -33,14 +32,8 @@ assert cpu_kernel.load(Path(sys.argv[1])), "the emulation build did not load"
 assert cpu_kernel.set_amx(True), cpu_kernel.isa()
 assert "AMX emulated" in cpu_kernel.isa(), cpu_kernel.isa()
 import pytest
-sys.exit(pytest.main(["-q", "-rs", "-p", "no:cacheprovider", "tests/ops/test_cpu_kernel.py",
-                      "-k", sys.argv[2]]))
+sys.exit(pytest.main(["-q", "-rs", "-p", "no:cacheprovider", "tests/ops/test_cpu_kernel.py"]))
 """
-# Cases that never reach a tile instruction run the same native code as the prebuilt library,
-# where test_cpu_kernel.py runs them already: the vector-path twins of the AMX cases (they turn
-# AMX off) and the float32 property test (AMX takes bfloat16 only). Left out here, they took
-# about 80% of this test's time.
-NOT_ON_TILES = "not vector and not test_matches_oracle_fp32"
 
 
 def emulation_build(directory: Path) -> Path:
@@ -60,7 +53,7 @@ def test_amx_paths_match_the_oracle_under_emulation(tmp_path):
     env = dict(os.environ)
     env.pop(cpu_kernel.ISA_ENV, None)
     done = subprocess.run(
-        [sys.executable, "-c", RUN, str(library), NOT_ON_TILES], cwd=ROOT, env=env,
+        [sys.executable, "-c", RUN, str(library)], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     report = done.stdout[-6000:]
