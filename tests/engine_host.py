@@ -130,8 +130,10 @@ def run_engine_once(job: dict, **env_overrides: str) -> dict:
         if done.returncode != 0:
             log.seek(0)
             raise EngineJobError(f"engine job exited {done.returncode}\n{log.read()[-4000:]}")
-    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT"))
-    return json.loads(line[len("RESULT") :])
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")]
+    if not lines:
+        raise EngineJobError(f"engine job printed no RESULT line:\n{done.stdout[-2000:]}")
+    return json.loads(lines[-1][len("RESULT") :])
 
 
 @atexit.register

@@ -38,11 +38,14 @@ def is_custom_backend(backend: Any) -> bool:
 
 
 def step_attention_metadata() -> Any:
-    """This forward pass's attention metadata (per layer name), or None outside a forward.
+    """This forward pass's attention metadata (per layer name); vLLM's assertion outside one.
 
     Why: vLLM hands ``do_kv_cache_update`` and model code no metadata argument; the runner sets
     it on the forward context, where MEPIC's K/V write and CacheBlend's layer gates read it.
     """
-    if not is_forward_context_available():
-        return None
     return get_forward_context().attn_metadata
+
+
+def in_forward() -> bool:
+    """Whether a forward pass is running (its context is set)."""
+    return is_forward_context_available()

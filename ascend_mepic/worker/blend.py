@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ascend_mepic.ops import PagedRopeMetadata
-from ascend_mepic.vllm_integration.attention_internals import step_attention_metadata
+from ascend_mepic.vllm_integration.attention_internals import in_forward, step_attention_metadata
 
 
 @dataclass
@@ -53,6 +53,8 @@ class BlendStep:
 def current() -> BlendStep | None:
     """This forward pass's selection state: it rides on MEPIC's attention metadata, which the
     runner's builders produced for the step (no process globals)."""
+    if not in_forward():
+        return None
     metadata = step_attention_metadata()
     if not isinstance(metadata, dict) or not metadata:
         return None
