@@ -67,7 +67,14 @@ lint: setup
 # fixtures are made once; tests/conftest.py sends the slowest files first); each worker keeps
 # its engine hosts (tests/engine_host.py), so an engine job pays vLLM's imports once per worker.
 # Each worker may hold two engine hosts and an engine (1-2 GB each): raise it with care.
+# Every process of the suite runs one OpenMP thread (OMP_NUM_THREADS=1) and vLLM does not pin
+# its CPU workers (VLLM_CPU_OMP_THREADS_BIND=nobind): the suite runs three to five processes at
+# once, and two-thread OpenMP regions beside each other on two cores spin-wait for a thread that
+# is not running, while vLLM's automatic binding would put every engine on core 0. Tests whose
+# subject is the thread split (tests/ops/test_cpu_kernel.py) set their own thread count.
 TEST_WORKERS ?= 2
+test: export OMP_NUM_THREADS = 1
+test: export VLLM_CPU_OMP_THREADS_BIND = nobind
 test: setup lint
 	@$(PY) -m ascend_mepic.ops.cpu_kernel >/dev/null || echo "WARNING: the native CPU kernel did not build"
 	@{ scripts/test_ascend.sh --prepare && scripts/test_ascend.sh; } > .ascend-test.log 2>&1 & asc=$$!; \

@@ -20,6 +20,16 @@ from tests.ops.oracle import Batch, dense_oracle, nan_outside_real_slots, random
 heads = st.sampled_from([(4, 4), (8, 2), (6, 3), (4, 1), (9, 3)])
 
 
+@pytest.fixture(autouse=True, scope="module")
+def two_threads():
+    """The kernel splits its work by torch's thread count: these cases run on two threads (a
+    2-core machine's default) also where ``make test`` caps each process at one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 def test_kernel_builds_and_is_the_cpu_default(monkeypatch):
     assert cpu_kernel.load(), "the native CPU kernel did not build; see the logged error"
     monkeypatch.delenv("ASCEND_MEPIC_ATTN_IMPL", raising=False)
