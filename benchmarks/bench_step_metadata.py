@@ -40,8 +40,7 @@ def placement(block_size: int) -> SequencePlacement:
     segments += [Segment.chunk(range(480)) for _ in range(4)]
     segments.append(Segment.prompt(range(32)))
     layout = build_layout(segments, block_size)
-    lengths = tuple((kind, n) for kind, n in layout.segment_lengths())
-    return SequencePlacement(lengths, len(layout.in_context_slots()))
+    return SequencePlacement(layout, len(layout.in_context_slots()))
 
 
 class _Builder:

@@ -20,7 +20,7 @@ from ascend_mepic.core.counters import MepicCounters
 from ascend_mepic.core.identity import ChunkId
 from ascend_mepic.core.kv_settings import KVSettings
 from ascend_mepic.core.plan import ChunkCompile, TierLoad
-from ascend_mepic.core.segments import Layout
+from ascend_mepic.core.segments import Layout, Segment, build_layout
 from ascend_mepic.core.step_room import StepRoom
 from ascend_mepic.vllm_integration.core_types import BlockPool, KVCacheBlock, Request
 
@@ -92,11 +92,14 @@ class HostStoreStaging:
             blocks = self.block_pool.get_new_blocks(table_len)
             self.pending[chunk_id] = blocks
             pad = num_blocks * layout.block_size - len(tokens)
+            alone = [Segment.prompt(dummy)] if dummy else []
+            alone.append(Segment.chunk(tokens))
             compile_ = ChunkCompile(
                 chunk_id,
                 tokens,
                 pad,
                 tuple(b.block_id for b in blocks),
+                build_layout(alone, layout.block_size, allow_trailing_chunk=True),
                 dummy_tokens=dummy,
                 store_blocks=num_blocks,
                 store_scores=policy.needs_scores,

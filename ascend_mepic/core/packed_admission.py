@@ -107,11 +107,7 @@ class PackedAdmission(Admission):
         table = self._packed_table(st, reused)
         install_block_table(self.tables, request.request_id, table, 0)
         set_num_cached_blocks(self.tables, request.request_id, n_hit)
-        st.placement = SequencePlacement(
-            segment_lengths=tuple((kind, n) for kind, n in layout.segment_lengths()),
-            num_in_context=st.num_in_context,
-            packing=tuple(zip(st.private_tokens, offsets, strict=True)),
-        )
+        st.placement = SequencePlacement(layout, st.num_in_context)
         st.plan = RequestPlan(
             request.request_id,
             layout,
@@ -233,8 +229,14 @@ class PackedAdmission(Admission):
             )
             compiles.append(
                 ChunkCompile(
-                    chunk_id, tokens, 0, block_ids, (k, entry.offset), num_scratch=len(scratch)
-                )
+                    chunk_id,
+                    tokens,
+                    0,
+                    block_ids,
+                    alone,
+                    (k, entry.offset),
+                    num_scratch=len(scratch),
+                )  # fmt: skip
             )
             for seg in segs:
                 self.chunk_cache.acquire(entry)

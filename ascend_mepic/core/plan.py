@@ -29,12 +29,14 @@ class ChunkCompile:
     entry: its first ``private_tokens`` tokens go to scratch blocks, the rest (the canonical
     tokens) to the chunk cache's blocks from slot ``offset`` on. Host-store compiles (private
     placement) use the padded layout: ``pad`` leading pad slots, every block saved afterwards.
+    ``layout`` is the compile's own (its ``SequencePlacement`` in the step plan).
     """
 
     chunk_id: ChunkId
     token_ids: tuple[int, ...]
     pad: int
     block_ids: tuple[int, ...]  # one per table entry
+    layout: Layout
     packing: tuple[int, int] | None = None  # (private tokens, offset) of a shared compile
     num_scratch: int = 0  # shared compile: leading entries in scratch blocks
     # Private-placement and mepic-K compiles: leading dummy tokens (LegoLink-0) in a block of
@@ -52,12 +54,6 @@ class ChunkCompile:
     def num_canonical(self) -> int:
         """Tokens this compile adds to the chunk cache (0 for a host-store compile)."""
         return len(self.token_ids) - self.packing[0] if self.packing else 0
-
-    @property
-    def segment_lengths(self) -> list[list]:
-        """The compile's own layout (its ``SequencePlacement`` in the step plan)."""
-        chunk = ["chunk", len(self.token_ids)]
-        return [["prompt", len(self.dummy_tokens)], chunk] if self.dummy_tokens else [chunk]
 
 
 @dataclass(frozen=True)
@@ -113,21 +109,19 @@ class RequestPlan:
 class SequencePlacement:
     """Where a scheduled sequence's tokens go, for the worker (MEPIC requests and compiles).
 
-    A MEPIC request reaches the worker as its in-context tokens only; ``segment_lengths`` lets
-    the worker rebuild the layout and ``fresh_slots`` (policies other than mepic) lists the
-    padded index of each in-context token. A compile is the chunk alone (``compile=True``).
+    A MEPIC request reaches the worker as its in-context tokens only. ``layout`` is the one the
+    scheduler placed the request with (derived once, carried here: the worker reads its token
+    places off it); ``fresh_slots`` (policies other than mepic) lists the padded index of each
+    in-context token. A compile is the chunk alone (``compile=True``, the compile's layout).
     ``num_in_context`` is how many prompt tokens the worker must see for this sequence: a
     different count means the two sides disagree and the step is refused.
     """
 
-    segment_lengths: tuple[tuple[str, int], ...]
+    layout: Layout
     num_in_context: int
     compile: bool = False
     fresh_slots: tuple[int, ...] | None = None
     blend: tuple[float, int] | None = None  # CacheBlend: (ratio, check layer)
-    # Packed layout (shared placement): per chunk, (private tokens, slot its canonical tokens
-    # start at in its first canonical block); None: the padded layout.
-    packing: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,9 @@ class RequestState:
     layout: Layout
     chunk_ids: dict[int, ChunkId | None]  # chunk segment -> identity; None if not cached
     roles: list[BlockRole]  # per layout block
-    placement: SequencePlacement  # what the worker needs to place its tokens
+    # What the worker needs to place its tokens (shared placement: set at admission, once the
+    # chunks are placed).
+    placement: SequencePlacement | None
     num_in_context: int = 0  # tokens computed in the request's context (packed: private stream)
     # Private placement (padded layout) only: layout index of in-context token i, and in-context
     # tokens before entry i.
@@ -285,7 +287,7 @@ class RequestIntake:
             layout,
             chunk_ids,
             [],
-            SequencePlacement((), 0),  # set at admission, once the chunks are placed
+            None,  # the placement: set at admission, once the chunks are placed
             pin=bool(extra.get(PIN_KEY)),
             private_tokens=[sp.private_tokens for sp in layout.chunk_spans],
             shared=True,
@@ -353,11 +355,10 @@ class RequestIntake:
         )
         request.max_tokens = min(request.max_tokens, self.max_model_len - layout.num_real_tokens)
         placement = SequencePlacement(
-            segment_lengths=tuple((kind, n) for kind, n in layout.segment_lengths()),
+            layout,
             num_in_context=len(compact_slots),
             fresh_slots=tuple(compact_slots),
             blend=(policy.ratio, policy.check_layer) if policy.dynamic else None,
-            packing=tuple((sp.num_tokens, 0) for sp in layout.chunk_spans),
         )
         return RequestState(
             layout,

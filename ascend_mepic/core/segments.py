@@ -498,27 +498,6 @@ def parse_segment_lengths(raw: object) -> list[tuple[SegmentKind, int]]:
     return out
 
 
-def layout_from_lengths(
-    lengths: object,
-    block_size: int,
-    allow_trailing_chunk: bool = False,
-    packing: Sequence[Sequence[int]] | None = None,
-) -> Layout:
-    """A layout from segment lengths alone (token values are placeholders): what the worker
-    needs to place tokens, without the tokens themselves. ``packing``: per chunk
-    ``(private tokens, start slot)`` for a packed layout; None for the padded one."""
-    segments = [Segment(kind, tuple(range(n))) for kind, n in parse_segment_lengths(lengths)]
-    if packing is None:
-        return build_layout(segments, block_size, allow_trailing_chunk)
-    return build_packed_layout(
-        segments,
-        block_size,
-        [k for k, _ in packing],
-        [o for _, o in packing],
-        allow_trailing_chunk,
-    )
-
-
 def layout_from_real(token_ids: Sequence[int], segment_lengths: object, block_size: int) -> Layout:
     """Split a request's real (unpadded) prompt tokens by segment lengths and lay them out."""
     return build_layout(segments_from_real(token_ids, segment_lengths), block_size)

@@ -62,11 +62,7 @@ class StepPlanner:
         for request_id, compile_ in self.room.take_compiles():
             seq_id = f"mepic-compile-{compile_.chunk_id[:16]}-{request_id}"
             tokens = (*compile_.dummy_tokens, *compile_.token_ids)
-            lengths = tuple((kind, n) for kind, n in compile_.segment_lengths)
-            packing = (compile_.packing,) if compile_.packing is not None else None
-            placements[seq_id] = SequencePlacement(
-                lengths, len(tokens), compile=True, packing=packing
-            )
+            placements[seq_id] = SequencePlacement(compile_.layout, len(tokens), compile=True)
             if compile_.store_blocks:
                 blocks = compile_.block_ids[-compile_.store_blocks :]
                 host_saves.append(

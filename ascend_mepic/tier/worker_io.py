@@ -20,7 +20,7 @@ import json
 import logging
 import struct
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from ascend_mepic.core.identity import ChunkId
 from ascend_mepic.tier import transfer as kv_transfer
 from ascend_mepic.tier.index import (
     CPU_BACKEND,
+    SHARED_BACKEND,
     TIER_NAMESPACE,
     TierConfig,
     TierDir,
@@ -108,6 +109,9 @@ class WorkerTier:
         self.counters: Counter[str] = Counter()
         self.load_cost: dict[str, float] = {}  # backend -> seconds per token (EMA)
         self.compute_cost: float | None = None  # seconds per computed token (EMA)
+        # Keys of the latest puts: LMCache writes them to a shared backend in the background,
+        # and ``close`` waits for those still on their way.
+        self._recent_puts: deque[Any] = deque(maxlen=256)
 
     @staticmethod
     def _ema(old: float | None, new: float) -> float:
@@ -123,12 +127,15 @@ class WorkerTier:
             if obj is None:
                 raise RuntimeError("LMCache CPU backend is full")
             obj.tensor.copy_(blob)
-            self.lmcache.batched_put([lmcache_key(chunk_id, TIER_NAMESPACE)], [obj])
+            key = lmcache_key(chunk_id, TIER_NAMESPACE)
+            self.lmcache.batched_put([key], [obj])
         except Exception as e:
             logger.warning("MEPIC tier: could not offload chunk %s: %s", chunk_id[:12], e)
             self.counters["put_failures"] += 1
             return
         self.dir.marker(chunk_id).touch()
+        if self.config.shared_url:
+            self._recent_puts.append(key)
         self.counters["puts"] += 1
         self.counters["bytes_stored"] += int(blob.numel())
         if CPU_BACKEND not in self.load_cost:  # calibrate the CPU tier's transfer cost once
@@ -210,5 +217,29 @@ class WorkerTier:
             }
         )
 
-    def close(self) -> None:
+    def close(self, flush_s: float = 10.0) -> None:
+        """Wait up to ``flush_s`` for the latest puts to reach the shared backend, then close.
+
+        Why: LMCache writes a put to a remote or disk backend in the background. A server
+        stopped right after a request would otherwise drop the chunks it just computed, and the
+        other servers on that backend would compute them again."""
+        deadline = time.monotonic() + flush_s
+        pending = list(self._recent_puts)
+        while pending and time.monotonic() < deadline:
+            pending = [key for key in pending if not self._in_shared(key)]
+            if pending:
+                time.sleep(0.05)
+        if pending:
+            logger.warning(
+                "MEPIC tier: %d chunk puts had not reached %s after %.0f s; closing anyway",
+                len(pending), self.config.shared_url, flush_s,
+            )  # fmt: skip
+        self._recent_puts.clear()
         close_lmcache(self.lmcache)
+
+    def _in_shared(self, key: Any) -> bool:
+        try:
+            return bool(self.lmcache.contains(key, search_range=[SHARED_BACKEND]))
+        except Exception as e:  # a dead remote: nothing more will reach it
+            logger.debug("MEPIC tier: shared backend lookup failed: %s", e)
+            return True

@@ -41,7 +41,7 @@ def mepic_builders(runner: Any) -> list[Any]:
 
 
 def hand_step_tables(runner: Any, inputs: Any) -> None:
-    """Give ``inputs`` (a ``worker.step.StepInputs``, ``STEP_NOT_PLACED`` or None) to every
+    """Give ``inputs`` (a ``worker.step.PlacedStep``, ``STEP_NOT_PLACED`` or None) to every
     MEPIC builder of ``runner``."""
     builders = mepic_builders(runner)
     if inputs is not None and inputs is not STEP_NOT_PLACED and not builders:

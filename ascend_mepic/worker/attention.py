@@ -6,8 +6,8 @@ its path is the documented way in). The per-layer cache buffer vLLM allocates fo
 block, per KV head, K rows then V rows (``ops.layout.block_view``), passed to the ops as the
 strided logical view ``[2, num_blocks, B, Hkv, D]``.
 
-The builder turns vLLM's ``CommonAttentionMetadata`` plus the ``StepTables`` its runner handed
-it (logical positions, padded indices, per-block position tables) into the ops'
+The builder turns vLLM's ``CommonAttentionMetadata`` plus the ``step.PlacedStep`` its runner
+handed it (logical positions, padded indices, per-block position tables) into the ops'
 ``PagedRopeMetadata``; tables that do not describe the batch raise ``StepPlanError``. In a step,
 plain requests have identity rows in those tables (ordinary causal attention with RoPE at each
 token's position); outside a step (vLLM's profiling runs) the builder builds identity tables.
@@ -37,7 +37,7 @@ from ascend_mepic.vllm_integration.attention_internals import (
 from ascend_mepic.vllm_integration.runner_internals import STEP_NOT_PLACED
 from ascend_mepic.worker import blend, step
 from ascend_mepic.worker.nope_rotary import registered_rope
-from ascend_mepic.worker.step import StepInputs
+from ascend_mepic.worker.step import PlacedStep
 
 
 @dataclass
@@ -54,9 +54,9 @@ class MepicAttentionMetadataBuilder(AttentionMetadataBuilder[MepicAttentionMetad
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
-        self._inputs: StepInputs | object | None = None
+        self._inputs: PlacedStep | object | None = None
 
-    def set_step_inputs(self, inputs: StepInputs | object | None) -> None:
+    def set_step_inputs(self, inputs: PlacedStep | object | None) -> None:
         """The runner's tables for the step being built (None outside a step)."""
         self._inputs = inputs
 
@@ -71,9 +71,9 @@ class MepicAttentionMetadataBuilder(AttentionMetadataBuilder[MepicAttentionMetad
                 "MEPIC attention metadata requested for a step whose tokens the runner did not "
                 "place (the runner's _prepare_inputs did not run MEPIC's placement)"
             )
-        if isinstance(inputs, StepInputs):
-            inputs.tables.check_matches(num_reqs, num_tokens)
-            paged = inputs.tables.to_metadata(
+        if isinstance(inputs, PlacedStep):
+            inputs.check_matches(num_reqs, num_tokens)
+            paged = inputs.to_metadata(
                 self.block_size, cm.query_start_loc[: num_reqs + 1], cm.block_table_tensor
             )
             return MepicAttentionMetadata(num_tokens, paged, inputs.blend)

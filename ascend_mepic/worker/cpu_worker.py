@@ -12,11 +12,11 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from ascend_mepic.core.models import check_model_supported
 from ascend_mepic.vllm_integration.version import check_vllm_version
 from ascend_mepic.worker.attention import register_backend
-from ascend_mepic.worker.model_runner import MepicCPUModelRunner
+from ascend_mepic.worker.model_runner import MepicCPUModelRunner, MepicWorkerMixin
 from ascend_mepic.worker.nope_rotary import install_nope_rope
 
 
-class MepicCPUWorker(CPUWorker):
+class MepicCPUWorker(MepicWorkerMixin, CPUWorker):
     def __init__(self, *args, **kwargs) -> None:
         check_vllm_version()
         super().__init__(*args, **kwargs)

@@ -20,7 +20,7 @@ from ascend_mepic.vllm_integration.attention_internals import is_custom_backend
 from ascend_mepic.vllm_integration.engine_config import V2_RUNNER_ENV, MepicStartupError
 from ascend_mepic.vllm_integration.version import check_vllm_version
 from ascend_mepic.worker.cuda_attention import register_cuda_backend
-from ascend_mepic.worker.model_runner import MepicRunnerMixin
+from ascend_mepic.worker.model_runner import MepicRunnerMixin, MepicWorkerMixin
 from ascend_mepic.worker.nope_rotary import install_nope_rope
 
 
@@ -55,7 +55,7 @@ def check_worker_config(vllm_config) -> None:
         )
 
 
-class MepicGPUWorker(Worker):
+class MepicGPUWorker(MepicWorkerMixin, Worker):
     def __init__(self, *args, **kwargs) -> None:
         check_vllm_version()
         super().__init__(*args, **kwargs)

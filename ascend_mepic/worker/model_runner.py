@@ -36,7 +36,6 @@ from ascend_mepic.vllm_integration.runner_internals import (
 )
 from ascend_mepic.worker import blend, step
 from ascend_mepic.worker.nope_rotary import record_model_rope
-from ascend_mepic.worker.step import StepInputs
 from ascend_mepic.worker.token_map import TokenMap
 from ascend_mepic.worker.token_pool import TokenMapPool
 
@@ -70,6 +69,12 @@ class MepicRunnerMixin:
             if not vllm_config.model_config.enforce_eager:
                 raise ValueError(f"policy {policy.name!r} needs enforce_eager=True")
             self.mepic_blend_layer = policy.check_layer
+
+    def mepic_shutdown(self) -> None:
+        """The worker is shutting down: let the tier's latest puts reach its shared backend."""
+        tier, self._tier = getattr(self, "_tier", None), None
+        if tier is not None:
+            tier.close()
 
     def _init_placement_state(self) -> None:
         """The token maps of live sequences (a pool row each; see ``token_pool``)."""
@@ -233,24 +238,15 @@ class MepicRunnerMixin:
         """Rewrite positions and KV slots of mapped sequences and hand the step's tables to
         the builders: once per step, as array operations over the whole batch."""
         req_ids, query_start_loc, positions, block_table = step_token_inputs(self, num_tokens)
-        placed = step.place_step(self._token_pool, req_ids, query_start_loc, positions, block_table)
+        placed = step.place_step(
+            self._token_pool, req_ids, query_start_loc, positions, block_table,
+            self.mepic_blend_layer,
+        )  # fmt: skip
         if placed.any_mapped:
             rewrite_positions_and_slots(
                 self, num_tokens, placed.positions, placed.slots, placed.mapped
             )
-        tables = step.build_tables(
-            num_tokens,
-            placed.positions,
-            placed.padded,
-            placed.entries,
-            placed.max_query_len,
-            self.device,
-        )
-        blend_step = None
-        if placed.blending:
-            blending = [(a, b, torch.from_numpy(r), ratio) for a, b, r, ratio in placed.blending]
-            blend_step = blend.BlendStep(self.mepic_blend_layer, num_tokens, blending)
-        hand_step_tables(self, StepInputs(tables, blend_step))
+        hand_step_tables(self, placed)
 
     def load_model(self, *args, **kwargs):
         out = super().load_model(*args, **kwargs)
@@ -258,6 +254,16 @@ class MepicRunnerMixin:
         if self.mepic_blend_layer is not None:
             blend.install_layer_gates(self.model, self.mepic_blend_layer)
         return out
+
+
+class MepicWorkerMixin:
+    """MEPIC's part of a worker's shutdown, mixed into the CPU, GPU and NPU workers."""
+
+    def shutdown(self) -> None:
+        runner = getattr(self, "model_runner", None)
+        if isinstance(runner, MepicRunnerMixin):
+            runner.mepic_shutdown()
+        super().shutdown()  # type: ignore[misc]
 
 
 class MepicCPUModelRunner(MepicRunnerMixin, CPUModelRunner):

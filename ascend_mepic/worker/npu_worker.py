@@ -38,7 +38,7 @@ from ascend_mepic.vllm_integration.ascend import (
     use_attention_backend,
 )
 from ascend_mepic.vllm_integration.version import check_vllm_version
-from ascend_mepic.worker.model_runner import MepicRunnerMixin
+from ascend_mepic.worker.model_runner import MepicRunnerMixin, MepicWorkerMixin
 from ascend_mepic.worker.nope_rotary import install_nope_rope, registered_rope
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ def prepare_worker_process(vllm_config) -> None:
     use_attention_backend()
 
 
-class MepicNPUWorker(NPUWorker):
+class MepicNPUWorker(MepicWorkerMixin, NPUWorker):
     def __init__(self, *args, **kwargs) -> None:
         check_vllm_version()
         super().__init__(*args, **kwargs)

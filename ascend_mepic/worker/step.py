@@ -1,36 +1,55 @@
-"""Per-step position tables, handed from the model runner to its attention metadata builders.
+"""One step's token placement: made by the runner, read by its attention builders.
 
 vLLM's builders see only ``CommonAttentionMetadata``, which has no request identities, while a
 MEPIC request's tokens need their padded indices and each request's per-block position table.
-The runner computes those right after preparing the step's inputs and hands them to its own
-builders (``vllm_integration.runner_internals.hand_step_tables``); a builder checks they
-describe the batch it is building for and refuses the step otherwise.
+Right after vLLM prepares a step's inputs the runner places the step's tokens (``place_step``,
+from its ``TokenMapPool``), rewrites vLLM's positions and slots from the ``PlacedStep`` and
+hands it to its own builders (``vllm_integration.runner_internals.hand_step_tables``); a builder
+checks it describes the batch it is building for, refuses the step otherwise, and turns it into
+the ops' ``PagedRopeMetadata``. The worker's per-step types are this one, CacheBlend's
+``blend.BlendStep`` (which rides on it) and the backend's ``MepicAttentionMetadata``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ascend_mepic.core.plan import StepPlanError
 from ascend_mepic.ops import PagedRopeMetadata
-from ascend_mepic.worker.token_pool import PLAIN_ROW, EntryTables, TokenMapPool
+from ascend_mepic.worker.blend import BlendStep
+from ascend_mepic.worker.token_pool import PLAIN_ROW, TokenMapPool
 
 
 @dataclass(frozen=True)
-class StepTables:
-    num_reqs: int
-    num_tokens: int
-    query_positions: torch.Tensor  # [T] logical positions
-    query_indices: torch.Tensor  # [T] padded indices
-    num_blocks: torch.Tensor  # [R]
-    first_pos: torch.Tensor  # [R, max_blocks]
-    valid_start: torch.Tensor
-    valid_end: torch.Tensor
-    max_query_len: int  # from the runner's host copy: the builders never read it off a device
+class PlacedStep:
+    """Where the step's tokens go, computed once per step (host arrays) for every layer."""
+
+    positions: np.ndarray  # [T] logical positions
+    padded: np.ndarray  # [T] padded indices
+    mapped: np.ndarray  # [T] bool: tokens of sequences with a token map (vLLM's values differ)
+    slots: np.ndarray  # [T] KV slot of each token
+    num_blocks: np.ndarray  # [R] table entries of each sequence
+    first_pos: np.ndarray  # [R, max_blocks] per-entry position tables, zero past num_blocks
+    valid_start: np.ndarray
+    valid_end: np.ndarray
+    max_query_len: int
+    blend: BlendStep | None = None  # CacheBlend's selection, when a sequence of the step blends
+    _on_device: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.num_blocks)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+    @property
+    def any_mapped(self) -> bool:
+        return bool(self.mapped.any())
 
     def check_matches(self, num_reqs: int, num_tokens: int) -> None:
         if self.num_reqs != num_reqs or self.num_tokens != num_tokens:
@@ -40,31 +59,87 @@ class StepTables:
                 "build attention metadata that would not match the batch"
             )
 
+    def tables(self, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+        """The int32 tables on ``device`` (copied once per step and device, whatever the number
+        of builders): positions, padded indices, num_blocks, first_pos, valid_start, valid_end."""
+        key = str(device)
+        if key not in self._on_device:
+            arrays = (self.positions, self.padded, self.num_blocks, self.first_pos,
+                      self.valid_start, self.valid_end)  # fmt: skip
+            self._on_device[key] = tuple(
+                torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device) for a in arrays
+            )
+        return self._on_device[key]
+
     def to_metadata(
         self, block_size: int, query_start_loc: torch.Tensor, block_table: torch.Tensor
     ) -> PagedRopeMetadata:
-        max_blocks = self.first_pos.shape[1]
+        positions, padded, num_blocks, first, start, end = self.tables(query_start_loc.device)
+        max_blocks = first.shape[1]
         return PagedRopeMetadata(
             block_size=block_size,
             query_start_loc=query_start_loc.to(torch.int32),
-            query_positions=self.query_positions,
-            query_indices=self.query_indices,
+            query_positions=positions,
+            query_indices=padded,
             block_tables=block_table[: self.num_reqs, :max_blocks].to(torch.int32),
-            num_blocks=self.num_blocks,
-            block_first_pos=self.first_pos,
-            block_valid_start=self.valid_start,
-            block_valid_end=self.valid_end,
+            num_blocks=num_blocks,
+            block_first_pos=first,
+            block_valid_start=start,
+            block_valid_end=end,
             max_query_len=self.max_query_len,
             max_num_blocks=max_blocks,
         )
 
 
-@dataclass(frozen=True)
-class StepInputs:
-    """What the runner hands its MEPIC builders for one step."""
-
-    tables: StepTables
-    blend: Any = None  # worker.blend.BlendStep of a CacheBlend step
+def place_step(
+    pool: TokenMapPool,
+    req_ids: list[str],
+    query_start_loc: np.ndarray,
+    index: np.ndarray,
+    block_table: np.ndarray,
+    check_layer: int | None = None,
+) -> PlacedStep:
+    """Place a step's tokens: ``index`` numbers each token within its sequence (vLLM's
+    positions), sequence ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]`` and has
+    block-table row ``block_table[i]``; ``check_layer`` is CacheBlend's (None without it).
+    Array operations only: its cost is a few gathers whatever the number of sequences (only
+    CacheBlend's prefilling sequences are listed one by one)."""
+    bs = pool.block_size
+    rows = pool.rows(req_ids)
+    counts = np.diff(query_start_loc)
+    token_req = np.repeat(np.arange(len(req_ids)), counts)
+    token_rows = rows[token_req]
+    padded, position, candidate = pool.place(token_rows, index)
+    num_blocks = np.zeros(len(req_ids), dtype=np.int64)
+    scheduled = counts > 0
+    if scheduled.any():
+        starts = query_start_loc[:-1][scheduled]
+        num_blocks[scheduled] = np.maximum.reduceat(padded, starts) // bs + 1
+    slots = block_table[token_req, padded // bs].astype(np.int64) * bs + padded % bs
+    blending: list[tuple[int, int, torch.Tensor, float]] = []
+    if candidate is not None and candidate.any():
+        candidates = np.flatnonzero(candidate)
+        owners = token_req[candidates]
+        firsts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
+        for group, first in zip(np.split(candidates, firsts[1:]), firsts, strict=True):
+            i = int(owners[first])
+            a, b = int(query_start_loc[i]), int(query_start_loc[i + 1])
+            blending.append((a, b, torch.from_numpy(group), float(pool.blend_ratio[rows[i]])))
+    if blending and check_layer is None:
+        raise StepPlanError("the step has CacheBlend sequences but the runner has no check layer")
+    first, valid_start, valid_end = pool.entries(rows, num_blocks)
+    return PlacedStep(
+        positions=position,
+        padded=padded,
+        mapped=token_rows != PLAIN_ROW,
+        slots=slots,
+        num_blocks=num_blocks,
+        first_pos=first,
+        valid_start=valid_start,
+        valid_end=valid_end,
+        max_query_len=int(counts.max()) if len(counts) else 0,
+        blend=BlendStep(check_layer, len(index), blending) if blending else None,
+    )
 
 
 def plain_metadata(
@@ -92,93 +167,4 @@ def plain_metadata(
         block_valid_end=torch.full_like(first, block_size),
         max_query_len=int(counts.max()) if len(counts) else 0,
         max_num_blocks=max_blocks,
-    )
-
-
-@dataclass(frozen=True)
-class PlacedStep:
-    """Where the step's tokens go, computed once per step for every layer."""
-
-    positions: np.ndarray  # [T] logical positions
-    padded: np.ndarray  # [T] padded indices
-    mapped: np.ndarray  # [T] bool: tokens of sequences with a token map (vLLM's values differ)
-    slots: np.ndarray  # [T] KV slot of each token
-    entries: EntryTables
-    max_query_len: int
-    # CacheBlend: per sequence with chunk tokens in the step, (first row, last row + 1,
-    # candidate rows, ratio).
-    blending: list[tuple[int, int, np.ndarray, float]]
-
-    @property
-    def any_mapped(self) -> bool:
-        return bool(self.mapped.any())
-
-
-def place_step(
-    pool: TokenMapPool,
-    req_ids: list[str],
-    query_start_loc: np.ndarray,
-    index: np.ndarray,
-    block_table: np.ndarray,
-) -> PlacedStep:
-    """Place a step's tokens: ``index`` numbers each token within its sequence (vLLM's
-    positions), sequence ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]`` and has
-    block-table row ``block_table[i]``. Array operations only: its cost is a few gathers whatever
-    the number of sequences (only CacheBlend's prefilling sequences are listed one by one)."""
-    bs = pool.block_size
-    rows = pool.rows(req_ids)
-    counts = np.diff(query_start_loc)
-    token_req = np.repeat(np.arange(len(req_ids)), counts)
-    token_rows = rows[token_req]
-    places = pool.place(token_rows, index)
-    padded = places.padded
-    num_blocks = np.zeros(len(req_ids), dtype=np.int64)
-    scheduled = counts > 0
-    if scheduled.any():
-        starts = query_start_loc[:-1][scheduled]
-        num_blocks[scheduled] = np.maximum.reduceat(padded, starts) // bs + 1
-    slots = block_table[token_req, padded // bs].astype(np.int64) * bs + padded % bs
-    blending: list[tuple[int, int, np.ndarray, float]] = []
-    if places.blend_candidate is not None and places.blend_candidate.any():
-        candidates = np.flatnonzero(places.blend_candidate)
-        owners = token_req[candidates]
-        firsts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
-        for group, first in zip(np.split(candidates, firsts[1:]), firsts, strict=True):
-            i = int(owners[first])
-            a, b = int(query_start_loc[i]), int(query_start_loc[i + 1])
-            blending.append((a, b, group, float(pool.blend_ratio[rows[i]])))
-    return PlacedStep(
-        positions=places.position,
-        padded=padded,
-        mapped=token_rows != PLAIN_ROW,
-        slots=slots,
-        entries=pool.entries(rows, num_blocks),
-        max_query_len=int(counts.max()) if len(counts) else 0,
-        blending=blending,
-    )
-
-
-def build_tables(
-    num_tokens: int,
-    positions: np.ndarray,
-    padded: np.ndarray,
-    entries: EntryTables,
-    max_query_len: int,
-    device: torch.device,
-) -> StepTables:
-    """The step's tables as the attention builders take them."""
-
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
-
-    return StepTables(
-        len(entries.num_blocks),
-        num_tokens,
-        t(positions),
-        t(padded),
-        t(entries.num_blocks),
-        t(entries.first_pos),
-        t(entries.valid_start),
-        t(entries.valid_end),
-        max_query_len,
     )

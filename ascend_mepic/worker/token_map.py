@@ -2,13 +2,12 @@
 
 The scheduler hands the worker a MEPIC request as its *in-context* tokens only (its private
 stream: prompt tokens and each chunk's first tokens, in order) and, in the step's ``StepPlan``,
-the request's ``SequencePlacement`` (segment lengths, and for the packed layout each chunk's
-private token count and start slot); a chunk compile arrives as the chunk's tokens with a compile
-placement. vLLM's runner numbers a request's tokens 0, 1, 2, ... ; a ``TokenMap`` turns those
-numbers into layout indices (entry * B + slot: the KV slot and the causal order) and logical
-positions (RoPE), and gives the per-entry position table of its layout. Decode tokens continue
-after the prompt (``token_pool`` extends the tables past the layout). Plain requests need no map
-(index = position).
+the request's ``SequencePlacement`` (the layout the scheduler placed it with); a chunk compile
+arrives as the chunk's tokens with a compile placement. vLLM's runner numbers a request's
+tokens 0, 1, 2, ... ; a ``TokenMap`` turns those numbers into layout indices (entry * B + slot:
+the KV slot and the causal order) and logical positions (RoPE), and gives the per-entry
+position table of its layout. Decode tokens continue after the prompt (``token_pool`` extends
+the tables past the layout). Plain requests need no map (index = position).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ascend_mepic.core.plan import SequencePlacement, StepPlanError
-from ascend_mepic.core.segments import layout_from_lengths
 
 
 @dataclass(frozen=True)
@@ -35,13 +33,15 @@ class TokenMap:
 
     @classmethod
     def from_placement(cls, placement: SequencePlacement, block_size: int) -> TokenMap:
-        lengths = [list(pair) for pair in placement.segment_lengths]
-        packing = placement.packing
+        layout = placement.layout
+        if layout.block_size != block_size:
+            raise StepPlanError(
+                f"the step plan places a sequence at block size {layout.block_size} but this "
+                f"worker's is {block_size}: scheduler and worker disagree on the block size"
+            )
         if placement.compile:
-            layout = layout_from_lengths(lengths, block_size, True, packing)
             slots = layout.real_slots()
         else:
-            layout = layout_from_lengths(lengths, block_size, packing=packing)
             fresh = placement.fresh_slots
             slots = list(fresh) if fresh is not None else layout.in_context_slots()
         if len(slots) != placement.num_in_context:

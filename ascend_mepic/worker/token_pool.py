@@ -12,7 +12,6 @@ rest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from itertools import repeat
 
 import numpy as np
@@ -20,27 +19,6 @@ import numpy as np
 from ascend_mepic.worker.token_map import TokenMap
 
 PLAIN_ROW = 0
-
-
-@dataclass(frozen=True)
-class EntryTables:
-    """Per sequence of a step: its table entries and their position tables, zero past
-    ``num_blocks``."""
-
-    num_blocks: np.ndarray  # [R]
-    first_pos: np.ndarray  # [R, max_blocks]
-    valid_start: np.ndarray
-    valid_end: np.ndarray
-
-
-@dataclass(frozen=True)
-class TokenPlaces:
-    """Per token of a step: padded index, logical position, and whether it is a chunk token of
-    a CacheBlend sequence."""
-
-    padded: np.ndarray  # [T] int64
-    position: np.ndarray  # [T] int64
-    blend_candidate: np.ndarray | None  # [T] bool; None when no sequence of the step blends
 
 
 class TokenMapPool:
@@ -108,9 +86,13 @@ class TokenMapPool:
         get = self._row_of.get
         return np.fromiter(map(get, req_ids, repeat(PLAIN_ROW)), dtype=np.intp, count=len(req_ids))
 
-    def place(self, token_rows: np.ndarray, index: np.ndarray) -> TokenPlaces:
+    def place(
+        self, token_rows: np.ndarray, index: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Padded index and logical position of tokens number ``index`` of rows ``token_rows``:
-        in-context tokens through the map, later (decode) tokens after the layout."""
+        in-context tokens through the map, later (decode) tokens after the layout. Third: per
+        token, whether it is a chunk token of a CacheBlend sequence (None when no sequence of
+        the step blends)."""
         n = self.num_in_context[token_rows]
         inside = index < n
         clipped = np.minimum(index, np.maximum(n - 1, 0))
@@ -125,10 +107,13 @@ class TokenMapPool:
         blends = self.blends[token_rows]
         if blends.any():
             candidate = blends & inside & self.token_in_chunk[token_rows, clipped]
-        return TokenPlaces(padded, position, candidate)
+        return padded, position, candidate
 
-    def entries(self, rows: np.ndarray, num_blocks: np.ndarray) -> EntryTables:
-        """The first ``num_blocks[i]`` entry tables of ``rows[i]``, packed and zero-padded."""
+    def entries(
+        self, rows: np.ndarray, num_blocks: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The first ``num_blocks[i]`` table entries of ``rows[i]``, zero-padded ``[R, width]``
+        arrays: first position, valid start, valid end."""
         width = max(1, int(num_blocks.max())) if len(num_blocks) else 1
         self._grow_entries(width)
         live = self._live[num_blocks, :width]  # [R, width] 1 where the entry is listed
@@ -138,12 +123,7 @@ class TokenMapPool:
             out *= live
             return out
 
-        return EntryTables(
-            num_blocks.astype(np.int32),
-            gather(self.first_pos),
-            gather(self.valid_start),
-            gather(self.valid_end),
-        )
+        return gather(self.first_pos), gather(self.valid_start), gather(self.valid_end)
 
     def _take_row(self) -> int:
         if self._free:

@@ -21,7 +21,8 @@ def test_a_first_time_chunk_is_compiled_in_its_request_step_and_planned_once():
     assert compile_.seq_id.startswith("mepic-compile-")
     placement = plan.placements[compile_.seq_id]
     assert placement.compile and placement.num_in_context == len(compile_.token_ids)
-    assert placement.packing is not None  # canonical tokens where the arena placed them
+    assert placement.layout.packed  # canonical tokens where the arena placed them
+    assert placement.layout.num_real_tokens == len(compile_.token_ids)  # the chunk alone
     assert not plan.placements["a"].compile
     assert plan.host_loads == plan.host_saves == plan.tier_loads == plan.tier_puts == ()
     # Taken once: the next plan holds neither the compile nor the request.

@@ -18,7 +18,7 @@ from ascend_mepic.worker import step
 from ascend_mepic.worker.attention import MepicAttentionMetadataBuilder
 from ascend_mepic.worker.model_runner import MepicRunnerMixin
 from ascend_mepic.worker.token_map import TokenMap
-from ascend_mepic.worker.token_pool import EntryTables, TokenMapPool
+from ascend_mepic.worker.token_pool import TokenMapPool
 
 BS = 16
 
@@ -27,9 +27,8 @@ def _placement(num_in_context: int | None = None) -> SequencePlacement:
     layout = build_layout(
         [Segment.prompt(range(5)), Segment.chunk(range(40)), Segment.prompt(range(7))], BS
     )
-    lengths = tuple((k, n) for k, n in layout.segment_lengths())
     real = len(layout.in_context_slots())
-    return SequencePlacement(lengths, real if num_in_context is None else num_in_context)
+    return SequencePlacement(layout, real if num_in_context is None else num_in_context)
 
 
 def _output() -> SchedulerOutput:
@@ -60,12 +59,11 @@ def _builder() -> MepicAttentionMetadataBuilder:
     return builder
 
 
-def _tables(num_reqs: int, num_tokens: int) -> step.StepInputs:
+def _tables(num_reqs: int, num_tokens: int) -> step.PlacedStep:
     idx = np.arange(num_tokens, dtype=np.int64)
     one = np.ones((num_reqs, 1), dtype=np.int32)
-    entries = EntryTables(one[:, 0], 0 * one, 0 * one, BS * one)
-    return step.StepInputs(
-        step.build_tables(num_tokens, idx, idx, entries, num_tokens, torch.device("cpu"))
+    return step.PlacedStep(
+        idx, idx, idx > 0, idx, one[:, 0], 0 * one, 0 * one, BS * one, max_query_len=num_tokens
     )
 
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import random
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
 import torch
 
 from ascend_mepic.core.plan import SequencePlacement, StepPlan
-from ascend_mepic.core.segments import layout_from_lengths
+from ascend_mepic.core.segments import Segment, SegmentKind, build_layout, build_packed_layout
 from ascend_mepic.worker import step
 from ascend_mepic.worker.model_runner import MepicRunnerMixin
 from ascend_mepic.worker.token_map import TokenMap
@@ -22,6 +22,7 @@ from ascend_mepic.worker.token_pool import TokenMapPool
 
 BS = 16
 TABLE_WIDTH = 96
+CHECK_LAYER = 1
 
 
 def _placement(rng: random.Random) -> SequencePlacement:
@@ -29,24 +30,22 @@ def _placement(rng: random.Random) -> SequencePlacement:
     kind = rng.choice(["padded", "packed", "compile"])
     if kind == "compile":
         n = rng.randint(1, 70)
-        return SequencePlacement((("chunk", n),), n, compile=True)
-    lengths = [("prompt", rng.randint(1, 40))]
+        return SequencePlacement(build_layout([Segment.chunk(range(n))], BS, True), n, True)
+    segments = [Segment.prompt(range(rng.randint(1, 40)))]
     for _ in range(rng.randint(1, 3)):
-        lengths.append(("chunk", rng.randint(1, 90)))
+        segments.append(Segment.chunk(range(rng.randint(1, 90))))
         if rng.random() < 0.5:
-            lengths.append(("prompt", rng.randint(1, 20)))
-    if lengths[-1][0] == "chunk":
-        lengths.append(("prompt", rng.randint(1, 20)))
-    packing = None
+            segments.append(Segment.prompt(range(rng.randint(1, 20))))
+    if segments[-1].kind is SegmentKind.CHUNK:
+        segments.append(Segment.prompt(range(rng.randint(1, 20))))
     if kind == "packed":
-        packing = tuple(
-            (rng.randint(1, min(n, BS)), rng.randrange(BS)) for k, n in lengths if k == "chunk"
-        )
-    layout = layout_from_lengths([list(x) for x in lengths], BS, packing=packing)
+        chunks = [s for s in segments if s.kind is SegmentKind.CHUNK]
+        private = [rng.randint(1, min(len(c.token_ids), BS)) for c in chunks]
+        layout = build_packed_layout(segments, BS, private, [rng.randrange(BS) for _ in chunks])
+    else:
+        layout = build_layout(segments, BS)
     blend = (rng.choice([0.2, 0.5, 1.0]), 1) if rng.random() < 0.3 else None
-    return SequencePlacement(
-        tuple(lengths), len(layout.in_context_slots()), packing=packing, blend=blend
-    )
+    return SequencePlacement(layout, len(layout.in_context_slots()), blend=blend)
 
 
 # The per-sequence placement the pool replaced (the oracle).
@@ -159,25 +158,26 @@ class _Batch:
 
 
 def _check(pool, maps, blends, req_ids, loc, index, table) -> None:
-    got = step.place_step(pool, req_ids, loc, index, table)
+    got = step.place_step(pool, req_ids, loc, index, table, CHECK_LAYER)
     want = _oracle(maps, blends, req_ids, loc, index, table)
     np.testing.assert_array_equal(got.positions, want.positions)
     np.testing.assert_array_equal(got.padded, want.padded)
     mapped_rows = sorted(want.slots)
     assert np.flatnonzero(got.mapped).tolist() == mapped_rows
     assert got.slots[mapped_rows].tolist() == [want.slots[t] for t in mapped_rows]
-    np.testing.assert_array_equal(got.entries.num_blocks, want.num_blocks)
-    np.testing.assert_array_equal(got.entries.first_pos, want.first_pos)
-    np.testing.assert_array_equal(got.entries.valid_start, want.valid_start)
-    np.testing.assert_array_equal(got.entries.valid_end, want.valid_end)
-    blending = [(a, b, rows.tolist(), ratio) for a, b, rows, ratio in got.blending]
+    np.testing.assert_array_equal(got.num_blocks, want.num_blocks)
+    np.testing.assert_array_equal(got.first_pos, want.first_pos)
+    np.testing.assert_array_equal(got.valid_start, want.valid_start)
+    np.testing.assert_array_equal(got.valid_end, want.valid_end)
+    requests = got.blend.requests if got.blend is not None else []
+    blending = [(a, b, rows.tolist(), ratio) for a, b, rows, ratio in requests]
     assert blending == want.blending
+    assert got.blend is None or got.blend.check_layer == CHECK_LAYER
     counts = np.diff(loc)
     assert got.max_query_len == (int(counts.max()) if len(counts) else 0)
-    tables = step.build_tables(
-        len(index), got.positions, got.padded, got.entries, got.max_query_len, "cpu"
-    )
-    assert tables.num_reqs == len(req_ids) and tables.first_pos.dtype == torch.int32
+    tables = got.tables("cpu")
+    assert got.num_reqs == len(req_ids) and tables[3].dtype == torch.int32
+    assert got.tables("cpu") is tables  # copied once per step and device
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -264,7 +264,7 @@ class _StandInRunner(MepicRunnerMixin):
 
     def __init__(self, req_ids, loc, index, table) -> None:
         self.mepic_block_size = BS
-        self.mepic_blend_layer = 1
+        self.mepic_blend_layer = CHECK_LAYER
         self.device = torch.device("cpu")
         self._init_placement_state()
         block_table = types.SimpleNamespace(
@@ -293,12 +293,7 @@ def test_the_runner_writes_positions_slots_and_tables(plain_first: bool) -> None
         p = _placement(rng)
         if not p.compile:
             placements[f"m{len(placements)}"] = p
-    placements["m0"] = SequencePlacement(
-        placements["m0"].segment_lengths,
-        placements["m0"].num_in_context,
-        packing=placements["m0"].packing,
-        blend=(0.5, 1),
-    )
+    placements["m0"] = replace(placements["m0"], blend=(0.5, 1))
     req_ids = ["p0", *placements] if plain_first else [*placements, "p0"]
     counts = {"p0": 5, "m0": placements["m0"].num_in_context, "m1": 1, "m2": 2}
     starts = {"p0": 40, "m0": 0, "m1": 300, "m2": placements["m2"].num_in_context - 1}
@@ -323,10 +318,10 @@ def test_the_runner_writes_positions_slots_and_tables(plain_first: bool) -> None
     for t, slot in want.slots.items():
         expected[t] = slot
     assert slots.tolist() == expected.tolist()  # plain sequences keep vLLM's slots
-    tables = runner.inputs.tables
-    assert tables.query_indices.tolist() == want.padded.tolist()
-    assert tables.num_blocks.tolist() == want.num_blocks.tolist()
-    assert tables.first_pos.tolist() == want.first_pos.tolist()
-    assert tables.valid_end.tolist() == want.valid_end.tolist()
+    _, padded, num_blocks, first_pos, _, valid_end = runner.inputs.tables("cpu")
+    assert padded.tolist() == want.padded.tolist()
+    assert num_blocks.tolist() == want.num_blocks.tolist()
+    assert first_pos.tolist() == want.first_pos.tolist()
+    assert valid_end.tolist() == want.valid_end.tolist()
     blend_state = runner.inputs.blend
     assert [(a, b, r.tolist(), x) for a, b, r, x in blend_state.requests] == want.blending
