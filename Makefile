@@ -67,13 +67,15 @@ lint: setup
 # fixtures are made once; tests/conftest.py sends the slowest files first); each worker keeps
 # its engine hosts (tests/engine_host.py), so an engine job pays vLLM's imports once per worker.
 # Each worker may hold two engine hosts and an engine (1-2 GB each): raise it with care.
-# Every process of the suite runs one OpenMP thread (OMP_NUM_THREADS=1) and vLLM does not pin
-# its CPU workers (VLLM_CPU_OMP_THREADS_BIND=nobind): the suite runs three to five processes at
-# once, and two-thread OpenMP regions beside each other on two cores spin-wait for a thread that
-# is not running, while vLLM's automatic binding would put every engine on core 0. Tests whose
-# subject is the thread split (tests/ops/test_cpu_kernel.py) set their own thread count.
+# The suite runs three to five processes at once on two cores. Each runs one OpenMP thread
+# (OMP_NUM_THREADS=1; tests whose subject is the thread split, such as tests/ops/test_cpu_kernel.py,
+# set their own count), OpenMP threads sleep while they wait (OMP_WAIT_POLICY=PASSIVE: spinning
+# for a thread that is not running made three such files side by side 4.4x slower, 82 s against
+# 19 s), and vLLM does not pin its CPU workers (VLLM_CPU_OMP_THREADS_BIND=nobind: its automatic
+# binding puts every engine on core 0).
 TEST_WORKERS ?= 2
 test: export OMP_NUM_THREADS = 1
+test: export OMP_WAIT_POLICY = PASSIVE
 test: export VLLM_CPU_OMP_THREADS_BIND = nobind
 test: setup lint
 	@$(PY) -m ascend_mepic.ops.cpu_kernel >/dev/null || echo "WARNING: the native CPU kernel did not build"

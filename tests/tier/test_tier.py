@@ -167,6 +167,19 @@ def test_two_engines_share_redis_and_survive_its_death(model, prompts, untiered,
     assert dead["metrics"]["chunk_misses"] == 2
 
 
+def _wait_for_redis_entries(url: str, timeout_s: float = 30.0) -> None:
+    """LMCache writes a put to Redis in the background, and vLLM's shutdown kills the engine
+    within a second: this test is about sharing, so it stops the first server only once its
+    chunk reached Redis."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    deadline = time.time() + timeout_s
+    while client.dbsize() == 0:
+        assert time.time() < deadline, "the first server's chunk never reached Redis"
+        time.sleep(0.1)
+
+
 def test_two_servers_share_chunks_through_redis(model, redis_url, tmp_path):
     """Two ``ascend-mepic serve`` processes on one Redis: the second loads the first's chunk."""
     import json
@@ -189,6 +202,8 @@ def test_two_servers_share_chunks_through_redis(model, redis_url, tmp_path):
                 assert r.status_code == 200, r.text
                 texts.append(r.json()["choices"][0]["text"])
                 stats.append(fresh_stats(client)["metrics"])
+            if i == 0:
+                _wait_for_redis_entries(url)
         finally:
             stop()
     assert texts[0] == texts[1]
