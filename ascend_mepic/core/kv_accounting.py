@@ -12,12 +12,10 @@ from typing import TYPE_CHECKING, Any
 from ascend_mepic.core.chunk_cache import ChunkCache
 from ascend_mepic.core.counters import MepicCounters
 from ascend_mepic.core.kv_settings import KVSettings
-from ascend_mepic.core.request_intake import BlockRole, RequestState
-from ascend_mepic.core.segments import BlockKind
+from ascend_mepic.core.request_intake import RequestState
 from ascend_mepic.tier.index import recompute_share
-from ascend_mepic.vllm_integration.core_types import BlockPool, SingleTypeKVCacheManager
+from ascend_mepic.vllm_integration.core_types import BlockPool
 from ascend_mepic.vllm_integration.kv_cache import (
-    block_table_or_empty,
     num_cached_free_blocks,
     num_usable_blocks,
 )
@@ -36,7 +34,6 @@ class KVAccounting:
         counters: MepicCounters,
         block_pool: BlockPool,
         chunk_cache: ChunkCache,
-        tables: SingleTypeKVCacheManager,
         states: dict[str, RequestState],
         staging: HostStoreStaging,
         tier_transfers: TierTransfers,
@@ -45,7 +42,6 @@ class KVAccounting:
         self.counters = counters
         self.block_pool = block_pool
         self.chunk_cache = chunk_cache
-        self.tables = tables
         self.states = states
         self.staging = staging
         self.tier_transfers = tier_transfers
@@ -69,31 +65,19 @@ class KVAccounting:
             + self.staging.num_blocks()
             + self.tier_transfers.num_blocks()
         )
-        chunk_first, chunk_private = set(), 0
-        for rid, st in self.states.items():
-            table = block_table_or_empty(self.tables, rid)
-            if st.layout.packed:  # private blocks mix prompt and chunk tokens: all prompt_private
-                continue
-            for spec in st.layout.blocks[: len(table)]:
-                if st.roles[spec.index] is BlockRole.SHARED:
-                    continue
-                if spec.kind is BlockKind.CHUNK_FIRST:
-                    chunk_first.add(table[spec.index].block_id)
-                elif spec.kind is BlockKind.CHUNK_SHARED:
-                    chunk_private += 1  # a private copy of a chunk block (private placement)
         used = self.num_used_blocks()
         cats = {
             "free": self.block_pool.get_num_free_blocks() - prefix_cached_free,
             "prefix_cached": prefix_cached_free,
             "chunk_shared_referenced": referenced_chunk,
             "chunk_shared_idle": self.chunk_cache.num_blocks(referenced=False),
-            "chunk_first_private": len(chunk_first),
-            "chunk_private": chunk_private,
+            # The padded layout's categories, 0 since every request's private blocks follow the
+            # packed layout (prompt and chunk tokens mixed: prompt_private); kept for dashboards.
+            "chunk_first_private": 0,
+            "chunk_private": 0,
             "compile_scratch": scratch,
         }
-        cats["prompt_private"] = (
-            used - referenced_chunk - len(chunk_first) - chunk_private - scratch
-        )
+        cats["prompt_private"] = used - referenced_chunk - scratch
         return cats
 
     def tier_metrics(self) -> dict[str, Any]:

@@ -21,11 +21,12 @@ This class is the vLLM-facing surface; the work is done by its parts, data flowi
 KVCacheCoordinator -> SingleTypeKVCacheManager -> BlockPool:
 
 * ``RequestIntake`` (request_intake.py): validation, layout, chunk identity, block roles,
-  placement and layout-keyed hashes of a request (its ``RequestState``);
+  placement and layout-keyed hashes of a request (its ``RequestState``); one class per
+  placement, ``PackedIntake`` and ``PaddedIntake``;
 * ``Admission`` (admission.py): prefix-cache hits, whole-layout admission, growth, prefix-cache
-  insertion, release; one class per placement, chosen once from the policy: ``PackedAdmission``
-  (shared placement, packed_admission.py) and ``PaddedAdmission`` (private and none,
-  padded_admission.py);
+  insertion, release; one class per placement: ``PackedAdmission`` (shared placement,
+  packed_admission.py) and ``PaddedAdmission`` (private and none, padded_admission.py). The
+  placement's intake and admission are chosen once, from the policy;
 * ``HostStoreStaging`` / ``TierTransfers`` (chunk_transfers.py): host-store and tier transfers;
 * ``StepRoom`` (step_room.py): the step's compile room and its compiles;
 * ``StepPlanner`` (step_planner.py): each step's ``StepPlan`` from the parts' queues;
@@ -61,6 +62,8 @@ from ascend_mepic.core.plan import (
 )
 from ascend_mepic.core.request_intake import (
     BlockRole,
+    PackedIntake,
+    PaddedIntake,
     RequestIntake,
     RequestState,
     mepic_block_hashes,
@@ -116,7 +119,10 @@ class MepicKVCacheManager(KVCacheManager):
         common: dict[str, Any] = dict(
             settings=self.settings, block_pool=self.block_pool, chunk_cache=self.chunk_cache
         )
-        self.intake = RequestIntake(
+        # The placement, chosen once: packed (shared placement) or padded.
+        packed = self.settings.policy.packed
+        intake_cls = PackedIntake if packed else PaddedIntake
+        self.intake: RequestIntake = intake_cls(
             **common,
             room=self.room,
             block_size=self.mepic_block_size,
@@ -125,8 +131,7 @@ class MepicKVCacheManager(KVCacheManager):
             hash_fn=hash_fn,
             model_fingerprint=model_fingerprint,
         )
-        # The placement's admission, chosen once: packed (shared placement) or padded.
-        admission_cls = PackedAdmission if self.settings.policy.packed else PaddedAdmission
+        admission_cls = PackedAdmission if packed else PaddedAdmission
         self.admission: Admission = admission_cls(
             **common,
             room=self.room,
@@ -152,7 +157,6 @@ class MepicKVCacheManager(KVCacheManager):
         self.accounting = KVAccounting(
             **common,
             counters=self.counters,
-            tables=self._single,
             states=self._states,
             staging=self.staging,
             tier_transfers=self.tier_transfers,

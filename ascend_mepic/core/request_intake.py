@@ -2,9 +2,10 @@
 
 A request arrives with its real prompt tokens and segment lengths (``extra_args[EXTRA_ARGS_KEY]``).
 ``RequestIntake.inspect`` checks it before anything is allocated (so a bad request never disturbs
-others) and names its cached chunks; ``RequestIntake.build`` then rewrites the engine request to
-its in-context tokens (its private stream under shared placement) and their prefix-cache hashes,
-and returns the ``RequestState`` the rest of the manager works from.
+others) and names its cached chunks; ``build`` then rewrites the engine request to its
+in-context tokens and their prefix-cache hashes, and returns the ``RequestState`` the rest of the
+manager works from: ``PackedIntake`` (shared placement: the private stream) or ``PaddedIntake``
+(private placement and none: prompt and fresh chunk tokens), chosen once with the admission.
 """
 
 from __future__ import annotations
@@ -73,7 +74,6 @@ class RequestState:
     # private-stream order (in-context token i, then decode tokens, sit in block i // B).
     private_tokens: list[int] = field(default_factory=list)
     private_blocks: list[KVCacheBlock] = field(default_factory=list)
-    shared: bool = False  # shared placement (the chunk cache); else private copies
     # Private placement: host-store copies per table entry, (entry, chunk id, first chunk token,
     # tokens, first slot): the chunk tokens of each entry, copied before the forward pass.
     host_runs: list[tuple[int, ChunkId, int, int, int]] = field(default_factory=list)
@@ -259,14 +259,43 @@ class RequestIntake:
             )
         return layout, chunk_ids
 
+    def named_chunks(self, request: Request) -> list[ChunkId]:
+        """The identity of every chunk a (control) request's segments name, cached or not."""
+        extra = request.sampling_params.extra_args if request.sampling_params else None
+        layout = layout_from_real(
+            list(request.prompt_token_ids or []),
+            (extra or {}).get(EXTRA_ARGS_KEY),
+            self.block_size,
+        )
+        return [
+            chunk_identity(
+                layout.chunk_tokens(span),
+                layout.block_size,
+                self.model_fingerprint,
+                request.cache_salt,
+            )
+            for span in layout.chunk_spans
+        ]
+
     def build(
         self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
     ) -> RequestState:
-        if self.settings.policy.packed:
-            return self._build_packed(request, layout, chunk_ids)
-        return self._build_private(request, layout, chunk_ids)
+        """Rewrite the engine request to its in-context tokens and their hashes; its state."""
+        raise NotImplementedError
 
-    def _build_packed(
+    def _leading_hashes(self, request: Request, layout: Layout) -> list[BlockHash]:
+        """vLLM's hashes of the request's ``num_plain_blocks`` (when it hashes blocks of our
+        size): taken from the request where vLLM hashed it at arrival, else computed as vLLM
+        would (``vllm_integration.block_hasher`` skips that hashing for segmented requests)."""
+        if self.block_pool.hash_block_size != self.block_size:
+            return []
+        return vllm_prompt_hashes(request, num_plain_blocks(layout), self.block_size, self.hash_fn)
+
+
+class PackedIntake(RequestIntake):
+    """Shared placement: the request keeps its private stream, the chunk cache the rest."""
+
+    def build(
         self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
     ) -> RequestState:
         """A packed request reaches vLLM as its private stream: prompt tokens and each chunk's
@@ -290,20 +319,15 @@ class RequestIntake:
             None,  # the placement: set at admission, once the chunks are placed
             pin=bool(extra.get(PIN_KEY)),
             private_tokens=[sp.private_tokens for sp in layout.chunk_spans],
-            shared=True,
         )
         st.set_packed_layout(layout)
         return st
 
-    def _leading_hashes(self, request: Request, layout: Layout) -> list[BlockHash]:
-        """vLLM's hashes of the request's ``num_plain_blocks`` (when it hashes blocks of our
-        size): taken from the request where vLLM hashed it at arrival, else computed as vLLM
-        would (``vllm_integration.block_hasher`` skips that hashing for segmented requests)."""
-        if self.block_pool.hash_block_size != self.block_size:
-            return []
-        return vllm_prompt_hashes(request, num_plain_blocks(layout), self.block_size, self.hash_fn)
 
-    def _build_private(
+class PaddedIntake(RequestIntake):
+    """Private placement (the baselines) and none: every token has a slot of its own."""
+
+    def build(
         self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
     ) -> RequestState:
         """Private placement (the baselines): every token has a slot in the request's private
@@ -371,21 +395,3 @@ class RequestIntake:
             pin=bool(extra.get(PIN_KEY)),
             host_runs=runs,
         )
-
-    def named_chunks(self, request: Request) -> list[ChunkId]:
-        """The identity of every chunk a (control) request's segments name, cached or not."""
-        extra = request.sampling_params.extra_args if request.sampling_params else None
-        layout = layout_from_real(
-            list(request.prompt_token_ids or []),
-            (extra or {}).get(EXTRA_ARGS_KEY),
-            self.block_size,
-        )
-        return [
-            chunk_identity(
-                layout.chunk_tokens(span),
-                layout.block_size,
-                self.model_fingerprint,
-                request.cache_salt,
-            )
-            for span in layout.chunk_spans
-        ]

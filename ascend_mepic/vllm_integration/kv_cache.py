@@ -52,15 +52,6 @@ def block_table(tables: SingleTypeKVCacheManager, request_id: str) -> list[KVCac
     return tables.req_to_blocks[request_id]
 
 
-def block_table_or_empty(tables: SingleTypeKVCacheManager, request_id: str) -> list[KVCacheBlock]:
-    """A request's block table for reading, without creating one (``[]`` if it has none).
-
-    Why: accounting walks tracked requests, some of which hold no blocks (waiting, preempted);
-    ``req_to_blocks`` is a ``defaultdict`` that would otherwise record an empty table for them.
-    """
-    return tables.req_to_blocks.get(request_id, [])
-
-
 def install_block_table(
     tables: SingleTypeKVCacheManager,
     request_id: str,
