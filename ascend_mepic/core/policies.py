@@ -37,9 +37,10 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from ascend_mepic.core.segments import Layout, Segment, SegmentKind, build_packed_layout
 
@@ -149,6 +150,20 @@ class Policy:
         if self.packed:
             return self.private_tokens(num_tokens, block_size) < num_tokens
         return self.placement is not Placement.NONE
+
+    def worst_case_blocks(self, layout: Layout, cached: Mapping[int, Any]) -> int:
+        """KV blocks a request laid out as ``layout`` may hold at once, with none of its chunks
+        resident yet. ``cached``: chunk segment -> its identity, or None if not cached."""
+        bs = layout.block_size
+        if self.packed:  # private blocks, canonical blocks of every chunk, compile scratch
+            worst = layout.num_private_blocks
+            for sp in layout.chunk_spans:
+                worst += -(-sp.private_tokens // bs) + sp.num_shared
+            return worst
+        private = self.placement is Placement.PRIVATE
+        return layout.num_blocks + (
+            1 if private else sum(1 for c in cached.values() if c is not None)
+        )
 
 
 def top_fraction(scores: list[float], ratio: float) -> list[int]:

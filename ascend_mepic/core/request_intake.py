@@ -21,7 +21,7 @@ from ascend_mepic.core.identity import ChunkId, chunk_identity
 from ascend_mepic.core.kv_settings import KVSettings
 from ascend_mepic.core.plan import RequestPlan, SequencePlacement
 from ascend_mepic.core.policies import arrival_layout
-from ascend_mepic.core.request_limits import RequestLimits, chunk_is_cached, worst_case_blocks
+from ascend_mepic.core.request_limits import RequestLimits
 from ascend_mepic.core.segments import (
     EXTRA_ARGS_KEY,
     PIN_KEY,
@@ -241,7 +241,7 @@ class RequestIntake:
         chunk_ids: dict[int, ChunkId | None] = {}
         for i, seg in enumerate(segments):
             if seg.kind is SegmentKind.CHUNK:
-                cached = chunk_is_cached(policy, len(seg.token_ids), bs)
+                cached = policy.chunk_is_cached(len(seg.token_ids), bs)
                 chunk_ids[i] = (
                     chunk_identity(seg.token_ids, bs, fingerprint, salt) if cached else None
                 )
@@ -249,7 +249,7 @@ class RequestIntake:
         limits = RequestLimits(policy, bs, self.max_model_len, self.settings.max_chunks)
         limits.check(layout, chunk_ids)
         self.room.check_request(layout, chunk_ids)
-        worst_case = worst_case_blocks(layout, policy, chunk_ids)
+        worst_case = policy.worst_case_blocks(layout, chunk_ids)
         usable = num_usable_blocks(self.block_pool) - self.chunk_cache.num_pinned_blocks()
         if worst_case > usable:
             raise MepicCapacityError(

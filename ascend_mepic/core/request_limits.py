@@ -48,29 +48,6 @@ def entries_needed(layout: Layout, num_output_tokens: int) -> int:
     return layout.num_blocks + -(-stream // layout.block_size) - layout.num_private_blocks
 
 
-def chunk_is_cached(policy: Policy, num_tokens: int, block_size: int) -> bool:
-    """Whether a chunk of ``num_tokens`` has KV kept across requests under ``policy``: shared
-    placement keeps the tokens after its private ones; private placement keeps them all."""
-    if policy.packed:
-        return policy.in_context_tokens(num_tokens, block_size) < num_tokens
-    return policy.placement is not Placement.NONE
-
-
-def worst_case_blocks(layout: Layout, policy: Policy, cached: Mapping[int, Any]) -> int:
-    """KV blocks a request may hold at once, with none of its chunks resident yet.
-
-    ``cached``: chunk segment -> its identity, or None if the chunk is not cached.
-    """
-    bs = layout.block_size
-    if policy.packed:  # private blocks, canonical blocks of every chunk, compile scratch
-        worst = layout.num_private_blocks
-        for sp in layout.chunk_spans:
-            worst += -(-sp.private_tokens // bs) + sp.num_shared
-        return worst
-    private = policy.placement is Placement.PRIVATE
-    return layout.num_blocks + (1 if private else sum(1 for c in cached.values() if c is not None))
-
-
 @dataclass(frozen=True)
 class RequestLimits:
     """An engine's limits on a segmented request (from its vLLM configuration)."""
@@ -114,7 +91,7 @@ class RequestLimits:
     def check(self, layout: Layout, chunk_ids: Mapping[int, Hashable | None]) -> None:
         """Raise MepicCapacityError, naming the limit and the request's need, if the request can
         never run on this engine. ``chunk_ids``: chunk segment -> a key equal for equal chunks
-        (the chunk's identity), or None where ``chunk_is_cached`` is false."""
+        (the chunk's identity), or None where ``Policy.chunk_is_cached`` is false."""
         n, limit = layout.num_real_tokens, self.max_model_len
         if n >= limit:
             raise MepicCapacityError(
@@ -140,7 +117,7 @@ class RequestLimits:
             room.set_budgets(*self.step_budgets[:3], whole_prefills=self.step_budgets[3])
             room.check_request(layout, chunk_ids)
         if self.usable_blocks is not None:
-            worst = worst_case_blocks(layout, self.policy, chunk_ids)
+            worst = self.policy.worst_case_blocks(layout, chunk_ids)
             if worst > self.usable_blocks:
                 raise MepicCapacityError(
                     f"the request needs up to {worst} KV blocks (its table of {layout.num_blocks} "
@@ -156,7 +133,7 @@ class RequestLimits:
         layout = arrival_layout(segments, self.policy, self.block_size)
         bs = self.block_size
         keys = {
-            i: seg.token_ids if chunk_is_cached(self.policy, len(seg.token_ids), bs) else None
+            i: seg.token_ids if self.policy.chunk_is_cached(len(seg.token_ids), bs) else None
             for i, seg in enumerate(segments)
             if seg.kind is SegmentKind.CHUNK
         }
