@@ -11,9 +11,6 @@ the tier: loading must be invisible in the outputs, and so must every failure pa
 from __future__ import annotations
 
 import random
-import shutil
-import socket
-import subprocess
 import time
 
 import pytest
@@ -119,35 +116,6 @@ def test_salts_isolate_in_the_tier(model, prompts, tmp_path):
     # tenant-b never loads tenant-a's chunks: it compiles them, then reloads its own.
     assert m["chunk_misses"] == 4 and m["tier_loads"] == 2
     assert m["tier_worker_puts"] == 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def redis_url(tmp_path):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    yield proc, f"redis://127.0.0.1:{port}"
-    proc.kill()
-    proc.wait()
 
 
 def test_two_engines_share_redis_and_survive_its_death(model, prompts, untiered, redis_url):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -10,7 +12,9 @@ from ascend_mepic.tier.index import (
     TIER_NAMESPACE,
     TierConfig,
     choose_load,
+    close_lmcache,
     lmcache_key,
+    open_lmcache,
     recompute_share,
 )
 from ascend_mepic.tier.transfer import save_tokens
@@ -94,3 +98,20 @@ def test_tier_config_errors():
         MepicConfig.from_additional_config({"mepic": {"policy": "epic-16", "tier": {"cpu_gib": 1}}})
     config = MepicConfig.from_additional_config({"mepic": {"tier": {"cpu_gib": 1}}})
     assert config.tier_config.enabled and config.tier_config.cpu_gib == 1
+
+
+def test_close_waits_for_puts_to_reach_the_shared_backend(redis_url, tmp_path):
+    """LMCache writes a put to a remote backend in the background; ``close`` returns once the
+    remote holds it, so what a worker put before shutting down reaches the other servers."""
+    _, url = redis_url
+    config = TierConfig.parse({"cpu_gib": 0.05, "remote": url})
+    worker = WorkerTier(config, tmp_path / "tier", "tiny")
+    worker.put(CHUNK, torch.randn(2, 70, 2, 32), 70)
+    assert worker.counters["puts"] == 1
+    start = time.monotonic()
+    worker.close()
+    other = open_lmcache(config, "tiny", False)  # another process's view: the remote only
+    try:
+        assert other.contains(lmcache_key(CHUNK, TIER_NAMESPACE)), time.monotonic() - start
+    finally:
+        close_lmcache(other, timeout_s=0.1)  # LMCache's remote close can block; a daemon thread
