@@ -91,13 +91,11 @@ class HostStoreStaging:
                 self.chunk_cache.evict_until_free(table_len + self.watermark_blocks)
             blocks = self.block_pool.get_new_blocks(table_len)
             self.pending[chunk_id] = blocks
-            pad = num_blocks * layout.block_size - len(tokens)
             alone = [Segment.prompt(dummy)] if dummy else []
             alone.append(Segment.chunk(tokens))
             compile_ = ChunkCompile(
                 chunk_id,
                 tokens,
-                pad,
                 tuple(b.block_id for b in blocks),
                 build_layout(alone, layout.block_size, allow_trailing_chunk=True),
                 dummy_tokens=dummy,

@@ -231,7 +231,6 @@ class PackedAdmission(Admission):
                 ChunkCompile(
                     chunk_id,
                     tokens,
-                    0,
                     block_ids,
                     alone,
                     (k, entry.offset),

@@ -28,13 +28,12 @@ class ChunkCompile:
     Shared placement (``packing`` set): the compile's table is its packed layout's, entry by
     entry: its first ``private_tokens`` tokens go to scratch blocks, the rest (the canonical
     tokens) to the chunk cache's blocks from slot ``offset`` on. Host-store compiles (private
-    placement) use the padded layout: ``pad`` leading pad slots, every block saved afterwards.
+    placement) use the padded layout (leading pad slots, every block saved afterwards).
     ``layout`` is the compile's own (its ``SequencePlacement`` in the step plan).
     """
 
     chunk_id: ChunkId
     token_ids: tuple[int, ...]
-    pad: int
     block_ids: tuple[int, ...]  # one per table entry
     layout: Layout
     packing: tuple[int, int] | None = None  # (private tokens, offset) of a shared compile

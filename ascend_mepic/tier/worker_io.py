@@ -217,13 +217,14 @@ class WorkerTier:
             }
         )
 
-    def close(self, flush_s: float = 10.0) -> None:
-        """Wait up to ``flush_s`` for the latest puts to reach the shared backend, then close.
+    def flush(self, timeout_s: float = 10.0) -> int:
+        """Wait up to ``timeout_s`` for the latest puts to reach the shared backend; returns how
+        many had not (a dead remote answers "absent": its wait lasts the whole timeout).
 
         Why: LMCache writes a put to a remote or disk backend in the background. A server
         stopped right after a request would otherwise drop the chunks it just computed, and the
         other servers on that backend would compute them again."""
-        deadline = time.monotonic() + flush_s
+        deadline = time.monotonic() + timeout_s
         pending = list(self._recent_puts)
         while pending and time.monotonic() < deadline:
             pending = [key for key in pending if not self._in_shared(key)]
@@ -231,15 +232,16 @@ class WorkerTier:
                 time.sleep(0.05)
         if pending:
             logger.warning(
-                "MEPIC tier: %d chunk puts had not reached %s after %.0f s; closing anyway",
-                len(pending), self.config.shared_url, flush_s,
+                "MEPIC tier: %d chunk puts had not reached %s after %.0f s",
+                len(pending), self.config.shared_url, timeout_s,
             )  # fmt: skip
         self._recent_puts.clear()
+        return len(pending)
+
+    def close(self) -> None:
+        """Flush the latest puts to the shared backend, then close LMCache."""
+        self.flush()
         close_lmcache(self.lmcache)
 
     def _in_shared(self, key: Any) -> bool:
-        try:
-            return bool(self.lmcache.contains(key, search_range=[SHARED_BACKEND]))
-        except Exception as e:  # a dead remote: nothing more will reach it
-            logger.debug("MEPIC tier: shared backend lookup failed: %s", e)
-            return True
+        return bool(self.lmcache.contains(key, search_range=[SHARED_BACKEND]))

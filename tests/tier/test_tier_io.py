@@ -14,7 +14,6 @@ from ascend_mepic.tier.index import (
     choose_load,
     close_lmcache,
     lmcache_key,
-    open_lmcache,
     recompute_share,
 )
 from ascend_mepic.tier.transfer import save_tokens
@@ -100,18 +99,22 @@ def test_tier_config_errors():
     assert config.tier_config.enabled and config.tier_config.cpu_gib == 1
 
 
-def test_close_waits_for_puts_to_reach_the_shared_backend(redis_url, tmp_path):
-    """LMCache writes a put to a remote backend in the background; ``close`` returns once the
-    remote holds it, so what a worker put before shutting down reaches the other servers."""
+def test_flush_waits_for_puts_to_reach_the_shared_backend(redis_url, tmp_path):
+    """LMCache writes a put to a remote backend in the background; ``flush`` (run by ``close``)
+    returns once the remote holds it, so what a worker put before shutting down reaches the
+    other servers. Redis holds its writes for a second here: the put cannot land before."""
+    import redis
+
     _, url = redis_url
-    config = TierConfig.parse({"cpu_gib": 0.05, "remote": url})
-    worker = WorkerTier(config, tmp_path / "tier", "tiny")
-    worker.put(CHUNK, torch.randn(2, 70, 2, 32), 70)
-    assert worker.counters["puts"] == 1
-    start = time.monotonic()
-    worker.close()
-    other = open_lmcache(config, "tiny", False)  # another process's view: the remote only
+    worker = WorkerTier(TierConfig.parse({"cpu_gib": 0.05, "remote": url}), tmp_path, "tiny")
+    direct = redis.Redis.from_url(url)
     try:
-        assert other.contains(lmcache_key(CHUNK, TIER_NAMESPACE)), time.monotonic() - start
+        assert direct.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
+        start = time.monotonic()
+        worker.put(CHUNK, torch.randn(2, 70, 2, 32), 70)
+        assert worker.counters["puts"] == 1 and direct.dbsize() == 0  # still on its way
+        assert worker.flush() == 0
+        assert time.monotonic() - start > 0.5
+        assert direct.dbsize() > 0  # there when flush returned
     finally:
-        close_lmcache(other, timeout_s=0.1)  # LMCache's remote close can block; a daemon thread
+        close_lmcache(worker.lmcache, timeout_s=0.1)  # LMCache's remote close can block
