@@ -6,6 +6,7 @@
 # (vllm-ascend's platform, worker and attention backend with torch_npu stubbed by
 # tests/ascend/conftest.py), the Triton kernels (cuda_fallback's CUDA kernel and
 # ascend_mepic/ops/triton_ascend.py) under triton-ascend's CPU interpreter
+# (sped up by tests/ops/interpreter_speed.py, results bit-identical)
 # (tests/ops/test_triton_ascend.py, test_ascend_kernel.py) and the triton-ascend kernel through
 # triton-ascend's ttir and ttadapter compiler stages (tests/ops/test_ascend_compile.py).
 # The environment is installed from requirements/ascend.lock (exact versions and hashes, resolved
@@ -185,6 +186,7 @@ fi
 status=0
 TRITON_INTERPRET=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$VENV/bin/python" -m pytest -q \
   -p no:cacheprovider tests/ascend tests/ops/test_triton_ascend.py tests/ops/test_ascend_kernel.py \
+  tests/ops/test_interpreter_speed.py \
   tests/ops/test_head128.py "$@" || status=$?
 if [ -n "$compile_pid" ]; then
   compile_status=0

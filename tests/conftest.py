@@ -8,6 +8,8 @@ minutes go first, else one of them is left for last while the other worker waits
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 # Slowest first (seconds on 2 cores in a fresh clone's `make test`, which prints the slowest tests;
@@ -31,6 +33,15 @@ SLOW_FILES = (
     "test_triton_half.py",
     "test_cuda_startup.py",
 )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Where the test modules imported triton-ascend, speed its interpreter up (results
+    unchanged; see ``tests/ops/interpreter_speed.py``)."""
+    if "triton" in sys.modules:
+        from tests.ops import interpreter_speed
+
+        interpreter_speed.install()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
