@@ -11,13 +11,14 @@ Job: {"model", "mepic": bool, "policy": str|null, "dtype" (float32), "block_size
 "max_model_len", "batches":
 [[{"segments": [[kind, [ids...]], ...], "salt": str|null}, ...], ...], "max_tokens",
 "logprobs", "options" (MEPIC options), "reset_between_batches", "reset_before" (batch indices),
-"tensor_parallel_size", "scheduler_cls" (a stock job's ``--scheduler-cls``),
+"tensor_parallel_size", "kv_cache_bytes", "scheduler_cls" (a stock job's ``--scheduler-cls``),
 "refuse": [request, or {"raw": {"prompt_token_ids", "extra_args"}}]}.
 Each batch is one ``generate`` call, run in order on the same engine. The ``refuse`` requests go
 first, one ``generate`` call each, each expected to raise ``VLLMValidationError`` (its message,
 or None where it did not raise, is reported in ``refused``).
 """
 
+import gc
 import json
 import sys
 import traceback
@@ -58,6 +59,8 @@ def build_llm(job: dict, LLM):
         options = {"policy": job["policy"]} if job.get("policy") else {}
         options.update(job.get("options", {}))
         kwargs.update(mepic_llm_kwargs(**options))
+    if job.get("kv_cache_bytes"):  # else VLLM_CPU_KVCACHE_SPACE's 1 GiB, zeroed at each start
+        kwargs["kv_cache_memory_bytes"] = job["kv_cache_bytes"]
     return LLM(
         model=job["model"],
         dtype=job.get("dtype", "float32"),
@@ -130,8 +133,14 @@ def serve_job(job: dict, llm) -> dict:
 
 def serve() -> None:
     """Answer jobs from stdin until it closes; a failed job answers its traceback and ends the
-    host (its engine may have left the process in any state)."""
+    host (its engine may have left the process in any state).
+
+    Before each job the host's heap (the imports; the last engine was collected at its shutdown)
+    is frozen out of the garbage collector's sight: the engine's start-up collects three times
+    (vLLM's ``freeze_gc_heap``), and each walked torch's and vLLM's import heap (0.2 s each on 2
+    cores). The engine's shutdown unfreezes and collects as before."""
     for line in sys.stdin:
+        gc.freeze()
         try:
             answer = {"result": run_job(json.loads(line))}
         except BaseException:
