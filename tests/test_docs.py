@@ -89,12 +89,21 @@ class _Session:
         except subprocess.TimeoutExpired:
             rc = None
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-                time.sleep(2)
-            except ProcessLookupError:
+            if not self._signal_group(sig):
                 break
+            gone_by = time.monotonic() + 2
+            while time.monotonic() < gone_by and self._signal_group(0):
+                time.sleep(0.1)
         return rc, self.out.read_text(), self.err.read_text()[-4000:]
+
+    def _signal_group(self, sig: int) -> bool:
+        """Send ``sig`` to the block's process group; False once none of it is left."""
+        self.proc.poll()  # reap the shell, which would otherwise linger as a zombie
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 @pytest.fixture(scope="module")
