@@ -12,26 +12,30 @@ import sys
 
 import pytest
 
-# Slowest first (seconds on 2 cores in a fresh clone's `make test`, which prints the slowest tests;
-# an engine file's first engine also pays its host's start).
+# Slowest first, longest processing time first (seconds each file took on its worker in a fresh
+# clone's `make test` on 2 cores; an engine file's first engine also pays its host's start).
 SLOW_FILES = (
-    "test_real_geometry.py",  # 28 engines, ~340 s
-    "test_docs.py",  # the documented servers and the offline snippet, ~250 s
-    "test_policies.py",
-    "test_tier.py",
-    "test_cpu_kernel_build.py",
-    "test_serving_offline.py",
-    "test_triton.py",
-    "test_data_streams.py",
-    "test_bench_fidelity.py",
-    "test_server.py",
+    "test_real_geometry.py",  # 28 engines, ~220 s
+    "test_docs.py",  # the documented servers and the offline snippet, ~170 s
+    "test_tier.py",  # two servers on one Redis, ~110 s
+    "test_policies.py",  # ~100 s
+    "test_server.py",  # ~85 s
+    "test_serving_offline.py",  # tensor parallel 2, ~70 s
+    "test_data_streams.py",  # ~65 s
+    "test_cpu_kernel_amx_emulated.py",  # a kernel build, ~60 s
+    "test_triton.py",  # ~60 s
+    "test_bench_fidelity.py",  # ~45 s
+    "test_cpu_kernel_guard.py",  # a kernel build, ~35 s
     "test_prepare.py",
-    "test_head128.py",
-    "test_cpu_kernel_amx_emulated.py",
-    "test_bench.py",
-    "test_engine_off.py",
     "test_triton_half.py",
+    "test_bench.py",
     "test_cuda_startup.py",
+    "test_head128.py",
+    "test_cpu_kernel.py",
+    "test_npu_memory.py",
+    "test_doctor.py",
+    "test_cpu_kernel_build.py",
+    "test_engine_off.py",
 )
 
 
