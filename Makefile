@@ -64,8 +64,10 @@ lint: setup
 # after it on one core. Its output is printed after the main suite's; the exit status is the
 # first failure's. The CPU kernel is (re)built first if csrc/ changed, so no test pays for it.
 # The main suite runs on TEST_WORKERS pytest-xdist workers, whole files per worker (module
-# fixtures are made once; tests/conftest.py sends the slowest files first); each worker keeps
-# its engine hosts (tests/engine_host.py), so an engine job pays vLLM's imports once per worker.
+# fixtures are made once; tests/conftest.py sends the slowest files first, an order that
+# --no-loadscope-reorder keeps: xdist's default sorts files by their number of tests); each
+# worker keeps its engine hosts (tests/engine_host.py), so an engine job pays vLLM's imports
+# once per worker.
 # Each worker may hold two engine hosts and an engine (1-2 GB each): raise it with care.
 # The suite runs three to five processes at once on two cores. Each runs one OpenMP thread
 # (OMP_NUM_THREADS=1; tests whose subject is the thread split, such as tests/ops/test_cpu_kernel.py,
@@ -80,7 +82,7 @@ test: export VLLM_CPU_OMP_THREADS_BIND = nobind
 test: setup lint
 	@$(PY) -m ascend_mepic.ops.cpu_kernel >/dev/null || echo "WARNING: the native CPU kernel did not build"
 	@{ scripts/test_ascend.sh --prepare && scripts/test_ascend.sh; } > .ascend-test.log 2>&1 & asc=$$!; \
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests; main=$$?; \
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests; main=$$?; \
 	wait $$asc; ascend=$$?; \
 	echo "== Ascend suite (scripts/test_ascend.sh, run beside the main suite) =="; \
 	cat .ascend-test.log; \
