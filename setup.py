@@ -14,6 +14,8 @@ setup(
     packages=find_packages(
         include=["ascend_mepic", "ascend_mepic.*", "cuda_fallback", "cuda_fallback.*"]
     ),
+    # The simulator's device profiles and model shapes are data files inside the package.
+    package_data={"ascend_mepic.eval.sim": ["profiles/*.json", "models/*/config.json"]},
     install_requires=[
         "tokenizers",
         "transformers",

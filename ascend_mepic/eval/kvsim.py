@@ -155,7 +155,7 @@ def parse_trace(lines: Iterable[str], tokenizer: Tokenizer | None = None) -> lis
             TraceRequest(
                 str(obj["id"]),
                 float(obj["arrival"]),
-                float(obj["duration"]),
+                float(obj.get("duration", 0.0)),  # kvsim's hold time; the simulator's own
                 int(obj.get("output_tokens", 0)),
                 segments,
                 obj.get("salt"),

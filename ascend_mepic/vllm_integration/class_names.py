@@ -14,6 +14,9 @@ CPU_WORKER_CLS = "ascend_mepic.worker.cpu_worker.MepicCPUWorker"
 GPU_WORKER_CLS = "ascend_mepic.worker.gpu_worker.MepicGPUWorker"
 NPU_WORKER_CLS = "ascend_mepic.worker.npu_worker.MepicNPUWorker"
 CUDA_BACKEND_CLS = "ascend_mepic.worker.cuda_attention.MepicCudaAttentionBackend"
+# The serving simulator's worker (``ascend-mepic bench simulate``): no model, no device; it prices
+# each step on a device profile. Accepted in place of the platform's MEPIC worker.
+SIM_WORKER_CLS = "ascend_mepic.eval.sim.worker.SimulatedWorker"
 
 
 def worker_cls_for(platform: Any) -> str:

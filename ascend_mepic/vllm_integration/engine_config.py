@@ -33,6 +33,7 @@ from ascend_mepic.vllm_integration.class_names import (
     CUDA_BACKEND_CLS,
     GPU_WORKER_CLS,
     SCHEDULER_CLS,
+    SIM_WORKER_CLS,
     resolve,
 )
 
@@ -76,7 +77,7 @@ class MepicSelection:
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = self.worker_cls
-        elif parallel.worker_cls != self.worker_cls and not _subclass_of(
+        elif parallel.worker_cls not in (self.worker_cls, SIM_WORKER_CLS) and not _subclass_of(
             parallel.worker_cls, self.worker_cls
         ):
             raise MepicStartupError(

@@ -159,6 +159,7 @@ def test_runner_drives_the_real_engine_at_block_16():
         "kv_gib": 1,
         "max_model_len": 2048,
         "progress": False,
+        "record_steps": True,  # `bench profile`'s recording schedulers (MEPIC's and stock's)
     }
     policies = ("full", "mepic", "prefix")
     raws = {p: run_engine({"mepic": p != "prefix", "bench": {**job, "policy": p}})
@@ -167,6 +168,14 @@ def test_runner_drives_the_real_engine_at_block_16():
     for raw in raws.values():
         assert all(r["finish_s"] is not None for r in raw["per_request"])
         assert max(used for _, used in raw["kv_timeline"]) > 0
+        steps = raw["step_records"]  # one per engine step, its work and its wall time
+        assert len(steps) == len(raw["kv_timeline"]) and all(s["seconds"] > 0 for s in steps)
+        outputs = sum(r["output_tokens"] for r in raw["per_request"])
+        assert sum(s["logits"] for s in steps) == outputs
+    # MEPIC's steps compute fewer tokens than full recompute's: its chunks are shared
+    assert sum(s["tokens"] for s in raws["mepic"]["step_records"]) < sum(
+        s["tokens"] for s in raws["full"]["step_records"]
+    )
     rows = [stats.summarize(raws[p], raws["full"]) for p in ("full", "mepic", "prefix")]
     assert rows[0]["top1_agreement"] == 1.0
     assert rows[1]["reuse_fraction"] > 0  # the second and third requests share the article

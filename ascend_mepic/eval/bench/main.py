@@ -341,6 +341,9 @@ def add_parser(sub: Any) -> None:
     from ascend_mepic.eval.bench.fidelity import add_arguments as add_fidelity_arguments
 
     add_fidelity_arguments(fid)
+    from ascend_mepic.eval.bench.simulate import add_parsers as add_simulate_parsers
+
+    add_simulate_parsers(bsub)
     w = bsub.add_parser("workload", help="Table 1 workload statistics (no engine)")
     common(w, 200)
     w.add_argument("--points", type=int, nargs="+", help="chunk counts")

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict
 from typing import Any
 
 from ascend_mepic.eval.outputs import (
@@ -141,6 +142,12 @@ def run(job: dict) -> dict:
     kwargs = {"enable_prefix_caching": True} if stock else mepic_llm_kwargs(policy=policy)
     if job.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = job["max_num_batched_tokens"]
+    if job.get("record_steps"):  # calibration (``bench profile``): each step's work is recorded
+        from ascend_mepic.eval.sim import recording
+
+        kwargs["scheduler_cls"] = (
+            recording.RECORDING_STOCK_SCHEDULER_CLS if stock else recording.RECORDING_SCHEDULER_CLS
+        )
     llm = LLM(
         model=job["model"],
         dtype="float32",
@@ -212,6 +219,8 @@ def _measure(job: dict, llm: Any, tok: Any, requests: list, block_size: int) -> 
         from tqdm import tqdm
 
         bar = tqdm(total=len(recs), desc=f"{policy} qps={job['qps']}", file=sys.stderr)
+    scheduler = engine.engine_core.engine_core.scheduler
+    steps: list[dict] = []  # record_steps: each step's work and wall time
     nxt, done = 0, 0
     t0 = time.perf_counter()
     while done < len(recs):
@@ -224,8 +233,12 @@ def _measure(job: dict, llm: Any, tok: Any, requests: list, block_size: int) -> 
             if nxt < len(recs):
                 time.sleep(max(0.0, recs[nxt]["arrival_s"] - (time.perf_counter() - t0)))
             continue
+        started = time.perf_counter() - t0
+        seen = len(getattr(scheduler, "recorded_work", ()))
         outs = engine.step()
         t = time.perf_counter() - t0
+        if job.get("record_steps") and len(scheduler.recorded_work) > seen:
+            steps.append({"seconds": t - started, **asdict(scheduler.recorded_work[-1])})
         timeline.append((round(t, 4), used_blocks()))
         finished = record_outputs(recs, outs, t)
         done += finished
@@ -249,6 +262,7 @@ def _measure(job: dict, llm: Any, tok: Any, requests: list, block_size: int) -> 
         "per_request": recs,
         "manager_metrics": metrics,
         "wall_s": time.perf_counter() - t0,
+        "step_records": steps,
     }
 
 

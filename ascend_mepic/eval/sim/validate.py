@@ -1,0 +1,109 @@
+"""Calibrate on the real engine at one load, validate the simulator at others it never saw.
+
+For each QPS and policy the real engine serves a SQuAD workload (``eval/bench/runner.py``, one
+subprocess each, every step's work and wall time recorded). A profile is fitted on the steps of
+the calibration QPS only; then the simulator replays every run (the same requests, arrival
+times, output lengths, block size, pool size and token budget) and its peak KV, mean TTFT and
+mean latency are compared with the real engine's.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ascend_mepic.entrypoints.streams import log
+
+VALIDATION_POLICIES = ["full", "prefix", "naive", "epic-16", "cacheblend-15", "mepic"]
+PEAK_KV_TOLERANCE = 0.05
+TIME_TOLERANCE = 0.25
+
+
+def real_job(model: str, policy: str, qps: float, args: Any) -> dict[str, Any]:
+    return {
+        "policy": policy,
+        "model": model,
+        "requests": args.requests,
+        "chunks": args.chunks,
+        "seed": args.seed,
+        "articles": args.articles,
+        "block_size": args.block_size,
+        "max_tokens": args.max_tokens,
+        "qps": qps,
+        "kv_gib": args.kv_gib,
+        "max_num_batched_tokens": args.max_batched_tokens,
+        "progress": False,
+        "record_steps": True,
+        "logprobs": 0,
+    }
+
+
+def real_runs(
+    model: str, policies: Sequence[str], points: Sequence[float], args: Any, out: Path
+) -> dict[tuple[float, str], dict[str, Any]]:
+    """Run (or reuse, from ``out``) the real engine for every QPS and policy."""
+    from ascend_mepic.eval.bench.runner import run_in_subprocess
+
+    raws = {}
+    for qps in points:
+        for policy in policies:
+            path = out / f"real_qps{qps:g}_{policy}.json"
+            if path.is_file() and not args.rerun:
+                raws[qps, policy] = json.loads(path.read_text(encoding="utf-8"))
+                continue
+            log(f"[validate] real engine: {policy} at QPS {qps:g}")
+            raws[qps, policy] = raw = run_in_subprocess(real_job(model, policy, qps, args))
+            path.write_text(json.dumps(raw) + "\n", encoding="utf-8")
+    return raws
+
+
+def summary(raw: dict[str, Any]) -> dict[str, float]:
+    reqs = raw["per_request"]
+    used = [u for _, u in raw["kv_timeline"]] or [0]
+    return {
+        "peak_kv_blocks": max(used),
+        "peak_kv_usage": max(used) / raw["pool_blocks"],
+        "ttft_mean_s": statistics.mean(r["first_token_s"] - r["arrival_s"] for r in reqs),
+        "latency_mean_s": statistics.mean(r["finish_s"] - r["arrival_s"] for r in reqs),
+        "makespan_s": max(r["finish_s"] for r in reqs) - min(r["arrival_s"] for r in reqs),
+        "preemptions": raw.get("preemptions"),
+    }
+
+
+def replay(raw: dict[str, Any], requests: list, profile: Any, model: str) -> dict[str, Any]:
+    """Simulate the real run ``raw``: its requests, arrivals, output lengths and engine sizes."""
+    from ascend_mepic.eval.sim.engine import SimRequest, simulate
+
+    sim_reqs = [
+        SimRequest(list(segs), r["arrival_s"], r["output_tokens"])
+        for (_, segs), r in zip(requests, raw["per_request"], strict=True)
+    ]
+    return simulate(
+        raw["policy"],
+        sim_reqs,
+        profile,
+        model,
+        block_size=raw["block_size"],
+        max_num_batched_tokens=raw["max_num_batched_tokens"],
+        num_blocks=raw["pool_blocks"] + 1,  # vLLM's pool holds the null block too
+    )
+
+
+def compare(real: dict[str, float], sim: dict[str, float]) -> dict[str, Any]:
+    def err(key: str) -> float:
+        return (sim[key] - real[key]) / real[key] if real[key] else 0.0
+
+    row = {
+        "peak_kv_error": err("peak_kv_blocks"),
+        "ttft_error": err("ttft_mean_s"),
+        "latency_error": err("latency_mean_s"),
+    }
+    row["ok"] = (
+        abs(row["peak_kv_error"]) <= PEAK_KV_TOLERANCE
+        and abs(row["ttft_error"]) <= TIME_TOLERANCE
+        and abs(row["latency_error"]) <= TIME_TOLERANCE
+    )
+    return row
