@@ -44,12 +44,17 @@ def real_job(model: str, policy: str, qps: float, args: Any) -> dict[str, Any]:
 def real_runs(
     model: str, policies: Sequence[str], points: Sequence[float], args: Any, out: Path
 ) -> dict[tuple[float, str], dict[str, Any]]:
-    """Run (or reuse, from ``out``) the real engine for every QPS and policy."""
+    """Run (or reuse, from ``out``) the real engine for every QPS and policy.
+
+    Each policy's loads run back to back: a machine's speed drifts over tens of minutes (this
+    project's VM by 5-70% between two runs of the same job an hour apart), and what is compared
+    is one policy at several loads, calibrated on its neighbours.
+    """
     from ascend_mepic.eval.bench.runner import run_in_subprocess
 
     raws = {}
-    for qps in points:
-        for policy in policies:
+    for policy in policies:
+        for qps in points:
             path = out / f"real_qps{qps:g}_{policy}.json"
             if path.is_file() and not args.rerun:
                 raws[qps, policy] = json.loads(path.read_text(encoding="utf-8"))
