@@ -13,7 +13,12 @@ import pytest
 from ascend_mepic.core.segments import Segment, SegmentKind
 from ascend_mepic.eval.sim import calibrate, workloads
 from ascend_mepic.eval.sim.cost import ModelShape, StepWork, step_seconds
-from ascend_mepic.eval.sim.profile import DeviceProfile, available_profiles, load_profile
+from ascend_mepic.eval.sim.profile import (
+    PROFILE_DIR,
+    DeviceProfile,
+    available_profiles,
+    load_profile,
+)
 
 SHAPE = ModelShape("m", layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, intermediate=16,
                    vocab=32, dtype_bytes=2)  # fmt: skip
@@ -94,7 +99,7 @@ def test_bundled_profiles_name_a_source_for_every_figure(tmp_path):
             assert "UNTESTED" in p.description or "datasheet" in p.description.lower()
         else:
             assert p.calibrated_on and p.calibrated_on["fit"]["steps"] > 0
-    raw = json.loads((load_profile.__globals__["PROFILE_DIR"] / "ascend-910b-64g.json").read_text())
+    raw = json.loads((PROFILE_DIR / "ascend-910b-64g.json").read_text())
     del raw["sources"]["hbm_tb_s"]
     (tmp_path / "p.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="hbm_tb_s"):
