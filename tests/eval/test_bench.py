@@ -170,6 +170,9 @@ def test_runner_drives_the_real_engine_at_block_16():
         assert max(used for _, used in raw["kv_timeline"]) > 0
         steps = raw["step_records"]  # one per engine step, its work and its wall time
         assert len(steps) == len(raw["kv_timeline"]) and all(s["seconds"] > 0 for s in steps)
+        # and the blocks in use right after each schedule(), the step's peak
+        assert all(p >= a for (_, a), (_, p) in zip(raw["kv_timeline"], raw["kv_scheduled"],
+                                                      strict=True))  # fmt: skip
         outputs = sum(r["output_tokens"] for r in raw["per_request"])
         assert sum(s["logits"] for s in steps) == outputs
     # MEPIC's steps compute fewer tokens than full recompute's: its chunks are shared

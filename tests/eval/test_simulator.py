@@ -141,6 +141,7 @@ def test_engine_core_serves_a_trace_with_mepics_scheduler_and_managers():
     from ascend_mepic.core.scheduler import MepicScheduler
     from ascend_mepic.eval.prepare import resolve_model
     from ascend_mepic.eval.sim.engine import build_engine_core, engine_args, run_on
+    from ascend_mepic.eval.sim.recording import PeakMepicScheduler
     from ascend_mepic.vllm_integration.engine_core import EngineCore
 
     model = str(resolve_model("smollm2"))
@@ -149,7 +150,9 @@ def test_engine_core_serves_a_trace_with_mepics_scheduler_and_managers():
     for policy in ("full", "epic-16", "mepic"):
         core = build_engine_core(engine_args(policy, model, _profile(), 16, 2048, 512, 64))
         try:
-            assert type(core) is EngineCore and type(core.scheduler) is MepicScheduler
+            # MepicScheduler, plus a read of the blocks in use after each schedule()
+            assert type(core) is EngineCore and type(core.scheduler) is PeakMepicScheduler
+            assert PeakMepicScheduler.__mro__[2] is MepicScheduler
             assert type(core.scheduler.kv_cache_manager) is MepicKVCacheManager
             results[policy] = raw = run_on(core, policy, reqs, record_steps=True)
         finally:
@@ -158,7 +161,13 @@ def test_engine_core_serves_a_trace_with_mepics_scheduler_and_managers():
             assert r["output_tokens"] == want.output_tokens
             assert r["arrival_s"] < r["first_token_s"] <= r["finish_s"]
         assert raw["makespan_s"] == pytest.approx(sum(s["seconds"] for s in raw["step_records"]))
-    peak = {p: max(u for _, u in r["kv_timeline"]) for p, r in results.items()}
+        # a step's peak is before it frees its finished requests, never below the count after
+        after, peaks = raw["kv_timeline"], raw["kv_scheduled"]
+        assert len(after) == len(peaks) and all(
+            p >= a for (_, a), (_, p) in zip(after, peaks, strict=True)
+        )
+        assert any(p > a for (_, a), (_, p) in zip(after, peaks, strict=True))
+    peak = {p: max(u for _, u in r["kv_scheduled"]) for p, r in results.items()}
     assert peak["mepic"] < peak["epic-16"] and peak["mepic"] < peak["full"]
     tokens = {p: sum(s["tokens"] for s in r["step_records"]) for p, r in results.items()}
     assert tokens["mepic"] < tokens["full"] and tokens["epic-16"] < tokens["full"]

@@ -170,6 +170,7 @@ def _measure(job: dict, llm: Any, tok: Any, requests: list, block_size: int) -> 
 
     from ascend_mepic.core.segments import Segment, SegmentKind
     from ascend_mepic.eval.bench.stats import poisson_arrivals
+    from ascend_mepic.eval.sim.recording import used_blocks
     from ascend_mepic.offline import segment_request
 
     policy = job["policy"]
@@ -177,13 +178,6 @@ def _measure(job: dict, llm: Any, tok: Any, requests: list, block_size: int) -> 
     engine = llm.llm_engine
     manager = engine.engine_core.engine_core.scheduler.kv_cache_manager
     pool_blocks = manager.block_pool.num_gpu_blocks - 1  # block 0 is the null block
-    has_used = hasattr(manager, "num_used_blocks")
-
-    def used_blocks() -> int:
-        if has_used:
-            return manager.num_used_blocks()
-        return pool_blocks - manager.block_pool.get_num_free_blocks()
-
     params = SamplingParams(
         temperature=0.0, max_tokens=job["max_tokens"], logprobs=job.get("logprobs", 20)
     )
@@ -213,7 +207,8 @@ def _measure(job: dict, llm: Any, tok: Any, requests: list, block_size: int) -> 
         }
         for i, ((q, segs), a) in enumerate(zip(requests, arrivals, strict=True))
     ]
-    timeline: list[tuple[float, int]] = []
+    timeline: list[tuple[float, int]] = []  # blocks in use after each step
+    scheduled: list[tuple[float, int]] = []  # record_steps: after each schedule() (the peak)
     bar = None
     if job.get("progress", True):
         from tqdm import tqdm
@@ -235,11 +230,14 @@ def _measure(job: dict, llm: Any, tok: Any, requests: list, block_size: int) -> 
             continue
         started = time.perf_counter() - t0
         seen = len(getattr(scheduler, "recorded_work", ()))
+        seen_peak = len(getattr(scheduler, "scheduled_blocks", ()))
         outs = engine.step()
         t = time.perf_counter() - t0
         if job.get("record_steps") and len(scheduler.recorded_work) > seen:
             steps.append({"seconds": t - started, **asdict(scheduler.recorded_work[-1])})
-        timeline.append((round(t, 4), used_blocks()))
+        timeline.append((round(t, 4), used_blocks(manager)))
+        if len(getattr(scheduler, "scheduled_blocks", ())) > seen_peak:
+            scheduled.append((round(t, 4), scheduler.scheduled_blocks[-1]))
         finished = record_outputs(recs, outs, t)
         done += finished
         if bar is not None:
@@ -259,6 +257,7 @@ def _measure(job: dict, llm: Any, tok: Any, requests: list, block_size: int) -> 
         "pool_blocks": pool_blocks,
         "block_bytes": _block_bytes(llm, block_size),
         "kv_timeline": timeline,
+        "kv_scheduled": scheduled,
         "per_request": recs,
         "manager_metrics": metrics,
         "wall_s": time.perf_counter() - t0,

@@ -62,6 +62,7 @@ def engine_args(
     """The engine arguments a real run of ``policy`` uses, with the simulated worker."""
     from vllm import EngineArgs
 
+    from ascend_mepic.eval.sim.recording import PEAK_SCHEDULER_CLS, PEAK_STOCK_SCHEDULER_CLS
     from ascend_mepic.offline import mepic_llm_kwargs
 
     sim = {"profile": asdict(profile), "token_id": 0}
@@ -73,6 +74,8 @@ def engine_args(
     kwargs.pop("enforce_eager", None)
     kwargs["additional_config"] = {**kwargs["additional_config"], "mepic_sim": sim}
     kwargs["worker_cls"] = SIM_WORKER_CLS
+    # Records the blocks in use after each schedule(), the step's peak (recording.py says why).
+    kwargs["scheduler_cls"] = PEAK_STOCK_SCHEDULER_CLS if policy == "prefix" else PEAK_SCHEDULER_CLS
     return EngineArgs(
         model=model,
         skip_tokenizer_init=True,
@@ -198,17 +201,12 @@ def run_on(
     core: Any, policy: str, requests: Sequence[SimRequest], record_steps: bool = False
 ) -> dict[str, Any]:
     """Serve ``requests`` on a built engine core, on the simulated clock."""
+    from ascend_mepic.eval.sim.recording import used_blocks
+
     scheduler = core.scheduler
     manager = scheduler.kv_cache_manager
     worker = core.model_executor.driver_worker.worker
     pool_blocks = manager.block_pool.num_gpu_blocks - 1
-    has_used = hasattr(manager, "num_used_blocks")
-
-    def used_blocks() -> int:
-        if has_used:
-            return manager.num_used_blocks()
-        return pool_blocks - manager.block_pool.get_num_free_blocks()
-
     order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_s, i))
     recs = [
         {
@@ -222,7 +220,8 @@ def run_on(
         }
         for i, r in enumerate(requests)
     ]
-    timeline: list[tuple[float, int]] = []
+    timeline: list[tuple[float, int]] = []  # blocks in use after each step
+    scheduled: list[tuple[float, int]] = []  # after each schedule(): the step's peak
     steps: list[dict[str, Any]] = []
     preempted: dict[str, int] = {}  # request id -> times vLLM's scheduler preempted it
     now, nxt, done, idle, num_steps, busy = 0.0, 0, 0, 0, 0, 0.0
@@ -242,7 +241,8 @@ def run_on(
         busy += dt
         if record_steps:
             steps.append({"t": now, "seconds": dt, **asdict(worker.last_work)})
-        timeline.append((round(now, 6), used_blocks()))
+        timeline.append((round(now, 6), used_blocks(manager)))
+        scheduled.append((round(now, 6), scheduler.scheduled_blocks[-1]))
         for rid, r in scheduler.requests.items():
             if r.num_preemptions:
                 preempted[rid] = r.num_preemptions
@@ -275,6 +275,7 @@ def run_on(
         "pool_blocks": pool_blocks,
         "block_bytes": worker.shape.kv_bytes_per_token * scheduler.block_size,
         "kv_timeline": timeline,
+        "kv_scheduled": scheduled,
         "per_request": recs,
         "manager_metrics": metrics,
         "steps": num_steps,
