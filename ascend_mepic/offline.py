@@ -41,8 +41,14 @@ def worker_cls_for_platform() -> str:
 
 
 def mepic_llm_kwargs(**options: Any) -> dict[str, Any]:
-    """``LLM(...)`` / engine arguments that turn MEPIC on (options go to ``{"mepic": ...}``)."""
-    policy = str(options.get("policy", "mepic"))
+    """``LLM(...)`` / engine arguments that turn MEPIC on (options go to ``{"mepic": ...}``).
+
+    The options are validated here (``config.MepicConfig``): a wrong one fails at this call,
+    naming the field, not when the engine starts.
+    """
+    from ascend_mepic.config import MepicConfig
+
+    policy = MepicConfig.from_options(dict(options)).policy
     worker_cls = worker_cls_for_platform()
     eager = {"enforce_eager": True} if worker_cls == NPU_WORKER_CLS else {}
     return {

@@ -10,7 +10,8 @@ logger = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """Per-process set-up: MEPIC's configuration hook on the current platform; AMX permission.
+    """Per-process set-up: MEPIC's logs through vLLM's logging; MEPIC's configuration hook on
+    the current platform; AMX permission.
 
     With the hook, ``vllm serve --additional-config '{"mepic": {}}'`` (or the same
     ``additional_config`` in ``LLM``) selects MEPIC's scheduler, worker and attention backend on
@@ -21,7 +22,10 @@ def register() -> None:
     """
     from vllm.platforms import current_platform
 
+    from ascend_mepic.vllm_integration.logs import use_vllm_logging
     from ascend_mepic.vllm_integration.platform_hook import install_config_hook, selection_for
+
+    use_vllm_logging()
 
     selection = selection_for(current_platform)
     if selection is not None:

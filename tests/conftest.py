@@ -51,3 +51,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable otherwise
+
+
+@pytest.fixture(autouse=True)
+def _mepic_logs_reach_caplog():
+    """An engine started in this worker earlier attached vLLM's handler to MEPIC's logger and
+    stopped it propagating (``vllm_integration/logs.py``); pytest's ``caplog`` listens at the
+    root, so each test gets propagation back."""
+    import logging
+
+    logger = logging.getLogger("ascend_mepic")
+    saved, logger.propagate = logger.propagate, True
+    yield
+    logger.propagate = saved

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -73,14 +74,20 @@ class _Session:
     """A shell block that starts a server in the background and talks to it, run as written;
     the server (and anything else the block started) is killed when it ends."""
 
-    def __init__(self, name: str, model: str, tmp_path: Path) -> None:
+    def __init__(
+        self, name: str, model: str, tmp_path: Path, env: dict[str, str] | None = None
+    ) -> None:
         _, lang, code = doc_blocks()[name]
         assert lang == "bash"
         self.name, self.out, self.err = name, tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         script = "set -euo pipefail\n" + _substitute(code, model, _free_port())
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
-                ["bash", "-c", script], stdout=out, stderr=err, env=_env(), start_new_session=True
+                ["bash", "-c", script],
+                stdout=out,
+                stderr=err,
+                env={**_env(), **(env or {})},
+                start_new_session=True,
             )
 
     def finish(self, deadline: float) -> tuple[int | None, str, str]:
@@ -106,11 +113,31 @@ class _Session:
         return True
 
 
+# The evaluation extra (setup.py's EVAL_REQUIRES) less what vLLM itself requires (tqdm,
+# tokenizers): serving must not import them, so the README's server runs with them hidden.
+HIDDEN_EVAL_PACKAGES = ("matplotlib", "gguf")
+
+
+def hide_packages(root: Path, names: Sequence[str]) -> str:
+    """A folder that, first on PYTHONPATH, makes ``import NAME`` fail for each of ``names``."""
+    for name in names:
+        (root / name).mkdir(parents=True)
+        (root / name / "__init__.py").write_text(
+            f"raise ImportError({name!r} + ' is hidden: no evaluation extra')\n"
+        )
+    return str(root)
+
+
 @pytest.fixture(scope="module")
 def sessions(tiny_model, tmp_path_factory) -> dict[str, tuple[int | None, str, str]]:
-    """Both server sessions at once: most of each is start-up, which overlaps well."""
+    """Both server sessions at once: most of each is start-up, which overlaps well. The README's
+    server runs without the evaluation packages (``pip install -e .``, no ``[eval]``)."""
     tmp = tmp_path_factory.mktemp("doc-sessions")
-    running = [_Session(name, tiny_model, tmp) for name in ("serve", "plain-vllm")]
+    hidden = {"PYTHONPATH": hide_packages(tmp / "hidden", HIDDEN_EVAL_PACKAGES)}
+    running = [
+        _Session("serve", tiny_model, tmp, env=hidden),
+        _Session("plain-vllm", tiny_model, tmp),
+    ]
     deadline = time.monotonic() + SESSION_TIMEOUT_S
     return {s.name: s.finish(deadline) for s in running}
 
@@ -121,6 +148,25 @@ def _session_output(sessions, name: str) -> str:
     return out
 
 
+def test_serving_needs_no_evaluation_package():
+    """``pip install -e .`` requires what serving imports, and the evaluation packages only in the
+    ``eval`` extra (which ``make setup`` installs); the README's server (``sessions``) runs with
+    those vLLM does not need itself hidden."""
+    import ast
+
+    tree = ast.parse((REPO / "setup.py").read_text(encoding="utf-8"))
+    lists = {
+        t.id: ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+    assert set(lists["EVAL_REQUIRES"]) == {"matplotlib", "tqdm", "gguf", "tokenizers"}
+    assert not set(lists["EVAL_REQUIRES"]) & set(lists["SERVING_REQUIRES"])
+    assert '-e ".[eval]"' in (REPO / "Makefile").read_text(encoding="utf-8")
+
+
 def test_readme_serve_session(sessions):
     out = _session_output(sessions, "serve")
     assert '"choices"' in out and '"text"' in out, out
@@ -128,8 +174,12 @@ def test_readme_serve_session(sessions):
 
 
 def test_serving_md_plain_vllm_command(sessions):
+    """The plain vLLM server serves MEPIC, and MEPIC's start-up INFO line comes out through
+    vLLM's logging, in vLLM's format (``vllm_integration/logs.py``)."""
     out = _session_output(sessions, "plain-vllm")
     assert '"choices"' in out and '"text"' in out, out
+    vllm_format = r"INFO \d\d-\d\d \d\d:\d\d:\d\d \[scheduler\.py:\d+\] MEPIC scheduling path on"
+    assert re.search(vllm_format, out), out[-4000:]
 
 
 def test_readme_offline_snippet(tiny_model):
@@ -229,6 +279,19 @@ def test_links_between_docs_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{f.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_options_table_is_generated_from_the_option_models():
+    """The README's option table is scripts/mepic_options.py's output, read from the pydantic
+    models the options are validated by (``MepicConfig``, ``TierConfig``)."""
+    import runpy
+
+    script = runpy.run_path(str(REPO / "scripts" / "mepic_options.py"))
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert script["readme_section"](readme) == script["render"](), (
+        "README.md's option table differs from the option models: run "
+        "`.venv/bin/python scripts/mepic_options.py --write`"
+    )
 
 
 def test_supported_models_table_is_generated_from_the_tests():

@@ -13,17 +13,21 @@ import hashlib
 import json
 import logging
 import os
+import re
 import struct
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from blake3 import blake3
 
 logger = logging.getLogger(__name__)
 
 ChunkId = str
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
-_READ_BYTES = 1 << 20
+WEIGHTS_DIGEST_TAG = b"mepic-weights-v2"
 
 
 def model_fingerprint(
@@ -55,18 +59,42 @@ def _digest_cache_dir() -> Path:
     return Path(base) / "ascend_mepic" / "weights-digest"
 
 
+def _hash_file(path: Path) -> tuple[int, bytes]:
+    """(size, BLAKE3 of the content): memory-mapped, hashed on every core (the GIL released)."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0, blake3(b"").digest()
+    return size, blake3(max_threads=blake3.AUTO).update_mmap(path).digest()
+
+
 def _hash_weight_files(files: Sequence[tuple[str, Path]]) -> str:
-    """SHA-256 over every file's name, size and full content (streamed)."""
-    h = hashlib.sha256(b"mepic-weights-v1")
-    for name, path in files:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            encoded = name.encode()
-            h.update(struct.pack("<QQ", len(encoded), size))
-            h.update(encoded)
-            while chunk := f.read(_READ_BYTES):
-                h.update(chunk)
+    """BLAKE3 over every file's name, size and content digest ("v2": v1 was one SHA-256 stream,
+    minutes for a 70B model; a changed tag changes every chunk id, so tier entries written under
+    v1 are never found, not misread). Files are hashed concurrently, each one multi-threaded."""
+    with ThreadPoolExecutor(max_workers=min(4, max(1, len(files)))) as pool:
+        digests = list(pool.map(_hash_file, [path for _, path in files]))
+    h = blake3(WEIGHTS_DIGEST_TAG)
+    for (name, _), (size, digest) in zip(files, digests, strict=True):
+        encoded = name.encode()
+        h.update(struct.pack("<QQ", len(encoded), size))
+        h.update(encoded)
+        h.update(digest)
     return h.hexdigest()
+
+
+def hub_snapshot_commit(root: Path) -> str | None:
+    """The commit of a Hugging Face cache snapshot (``models--org--name/snapshots/<commit>``).
+
+    Its files are links to blobs named by their content, fixed by the commit, so the commit
+    names the weights without reading them.
+    """
+    if (
+        root.parent.name == "snapshots"
+        and root.parent.parent.name.startswith("models--")
+        and re.fullmatch(r"[0-9a-f]{40}", root.name)
+    ):
+        return root.name
+    return None
 
 
 @functools.lru_cache(maxsize=64)
@@ -94,29 +122,56 @@ def _cached_weights_digest(root: str, key: str, files: tuple[tuple[str, str], ..
 
 @functools.lru_cache(maxsize=64)
 def _hub_digest(model_path: str, revision: str) -> str:
+    snapshot = _cached_snapshot(model_path, revision)
+    if snapshot is not None:
+        return _commit_digest(snapshot)
     logger.warning(
-        "MEPIC: %s is not a local directory; its chunk identity relies on the revision (%s) "
-        "naming the weights, not on their content",
+        "MEPIC: %s is not a local directory and not in the Hugging Face cache; its chunk "
+        "identity relies on the revision (%s) naming the weights, not on their content",
         model_path,
         revision or "none given",
     )
     return hashlib.sha256(f"hub:{model_path}{revision}".encode()).hexdigest()
 
 
-def weights_digest(model_path: str, revision: str | None = None) -> str:
-    """SHA-256 of a model's weights (*.safetensors, *.bin, *.pt, *.gguf and config.json).
+def _cached_snapshot(repo_id: str, revision: str) -> Path | None:
+    """The snapshot of ``repo_id`` at ``revision`` in the local Hugging Face cache, if there."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
 
-    A local directory is hashed by content once; the digest is cached in memory and under
-    ``~/.cache/ascend_mepic/weights-digest/``, keyed by the directory and each file's name, size
-    and mtime, so a changed file is hashed again. The model directory itself is never written.
-    Anything else (a hub id) is not resolved: its digest names the id and ``revision`` only.
+        found = try_to_load_from_cache(repo_id, "config.json", revision=revision or None)
+    except Exception:  # not a repo id, no cache: no commit to reuse
+        return None
+    if not isinstance(found, str):
+        return None
+    snapshot = Path(found).absolute().parent
+    return snapshot if hub_snapshot_commit(snapshot) else None
+
+
+def _commit_digest(snapshot: Path) -> str:
+    """A snapshot's digest: its repository folder (``models--org--name``) and commit."""
+    name = f"{snapshot.parent.parent.name}@{snapshot.name}"
+    return hashlib.sha256(WEIGHTS_DIGEST_TAG + b":hub-commit:" + name.encode()).hexdigest()
+
+
+def weights_digest(model_path: str, revision: str | None = None) -> str:
+    """A digest of a model's weights (*.safetensors, *.bin, *.pt, *.gguf and config.json).
+
+    A Hugging Face cache snapshot (``.../models--org--name/snapshots/<commit>``), or a hub id
+    whose snapshot is in the local cache, is named by its commit: nothing is read. Another local
+    directory is hashed by content once (BLAKE3, in parallel); the digest is cached in memory and
+    under ``~/.cache/ascend_mepic/weights-digest/``, keyed by the directory and each file's name,
+    size and mtime, so a changed file is hashed again. The model directory itself is never
+    written. A hub id not in the cache names the id and ``revision`` only (a warning says so).
     """
     root = Path(model_path)
     if not root.is_dir():
         return _hub_digest(model_path, revision or "")
+    if hub_snapshot_commit(root.absolute()):  # a hub snapshot: its commit names the weights
+        return _commit_digest(root.absolute())
     root = root.resolve()
     files = _weight_files(root)
-    key = hashlib.sha256(str(root).encode())
+    key = hashlib.sha256(WEIGHTS_DIGEST_TAG + str(root).encode())  # v1's cached digests: unused
     for name, path in files:
         st = path.stat()
         key.update(json.dumps([name, st.st_size, st.st_mtime_ns]).encode())

@@ -112,9 +112,7 @@ class MepicScheduler(Scheduler):
 
     def _kv_settings(self) -> KVSettings:
         """The KV manager's settings, from MEPIC's configuration: made once, before it."""
-        fraction = self.mepic_config.compile_token_fraction
-        if not 0.0 < fraction <= 1.0:
-            raise ValueError(f"compile_token_fraction must be in (0, 1], got {fraction}")
+        fraction = self.mepic_config.compile_token_fraction  # in (0, 1]: the config checked it
         model = self.vllm_config.model_config
         bos = getattr(model.hf_config, "bos_token_id", None)
         root = self.mepic_config.store_root(self.vllm_config)

@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import re
 import sys
 import time
@@ -142,27 +141,21 @@ def probe_npu() -> dict[str, Any]:
 
 
 def _cpu_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"machine": platform.machine(), "isa": [], "model": ""}
+    from ascend_mepic.host import cpu_info
+
+    cpu = cpu_info()
+    wanted = ARM_ISA if cpu.machine in ("aarch64", "arm64") else X86_ISA
+    info: dict[str, Any] = {
+        "machine": cpu.machine,
+        "isa": [f for f in wanted if f in cpu.flags],
+        "model": cpu.model,
+    }
     try:
         import torch
 
         info["threads"] = torch.get_num_threads()
     except ImportError:
         pass
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return info
-    flags: set[str] = set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key in ("flags", "features") and not flags:
-            flags = set(value.split())
-        elif key == "model name" and not info["model"]:
-            info["model"] = value.strip()
-    wanted = ARM_ISA if info["machine"] in ("aarch64", "arm64") else X86_ISA
-    info["isa"] = [f for f in wanted if f in flags]
     return info
 
 
@@ -248,16 +241,12 @@ def cann_version() -> tuple[str | None, str]:
     return None, "not found (ASCEND_TOOLKIT_HOME unset, no toolkit under /usr/local/Ascend)"
 
 
-def _matches(found: str, pin: str) -> bool:
-    return found.split("+", 1)[0] == pin
-
-
 def probe_versions(report: Report, on_npu: bool) -> None:
     """Installed versions against the pins; the 910B pins count only on the NPU platform."""
     from ascend_mepic.vllm_integration.version import (
         SKIP_CHECK_ENV,
         SUPPORTED_VLLM,
-        base_version,
+        same_release,
     )
 
     rows: list[dict[str, Any]] = []
@@ -273,7 +262,7 @@ def probe_versions(report: Report, on_npu: bool) -> None:
             if got is None:
                 row["status"] = "fail"
                 report.failures.append(f"vLLM is not installed (vllm=={SUPPORTED_VLLM} needed)")
-            elif base_version(got[1]) != SUPPORTED_VLLM:
+            elif not same_release(got[1], SUPPORTED_VLLM):
                 skip = os.environ.get(SKIP_CHECK_ENV) == "1"
                 row["status"] = "warn" if skip else "fail"
                 msg = (
@@ -291,7 +280,7 @@ def probe_versions(report: Report, on_npu: bool) -> None:
                 f"{label} is not installed (910B pin {row['pinned']}; {UNTESTED})"
             )
         else:
-            row["status"] = "ok" if _matches(got[1], row["pinned"]) else "warn"
+            row["status"] = "ok" if same_release(got[1], row["pinned"]) else "warn"
             if row["status"] == "warn":
                 report.warnings.append(
                     f"{label} {got[1]} differs from the 910B pin {row['pinned']} ({UNTESTED})"
@@ -306,7 +295,7 @@ def probe_versions(report: Report, on_npu: bool) -> None:
         "status": "info",
     }
     if on_npu:
-        row["status"] = "ok" if cann and _matches(cann, NPU_PINS["CANN"]) else "warn"
+        row["status"] = "ok" if cann and same_release(cann, NPU_PINS["CANN"]) else "warn"
         if row["status"] == "warn":
             report.warnings.append(
                 f"CANN {cann or 'version unknown'} ({source}); the 910B pin is {NPU_PINS['CANN']} "

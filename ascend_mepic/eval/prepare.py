@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ascend_mepic.host import process_alive
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -81,22 +83,12 @@ def _is_complete(dest: Path, kind: str) -> bool:
         return False
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale_partials(dest: Path) -> None:
     """Remove temporary build directories left by builders that died mid-way."""
     prefix = f".{dest.name}.partial-"
     for sibling in dest.parent.glob(prefix + "*"):
         pid = sibling.name[len(prefix) :]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
             logger.info("removing stale partial build %s", sibling)
             shutil.rmtree(sibling, ignore_errors=True)
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ascend_mepic.host import cpu_info
 from ascend_mepic.ops.metadata import PagedRopeMetadata
 from ascend_mepic.ops.rope import RopeSpec
 
@@ -118,15 +119,8 @@ def fingerprint() -> dict[str, object]:
 
 
 def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (Linux ``/proc/cpuinfo``; empty where unreadable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+    """This CPU's feature flags (``host.cpu_info``; empty where unreadable)."""
+    return cpu_info().flags
 
 
 def choose_variant(flags: frozenset[str] | None = None) -> tuple[str | None, str]:

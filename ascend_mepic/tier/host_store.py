@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ascend_mepic.core.identity import ChunkId
+from ascend_mepic.host import process_alive, process_start_time
 
 
 @dataclass
@@ -210,21 +211,10 @@ def _pid_namespace() -> str | None:
         return None
 
 
-def _process_state(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks since boot) of a live process, from /proc."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return fields[0], int(fields[19])
-
-
 def _owner_record(pid: int) -> dict[str, Any]:
-    state = _process_state(pid)
     return {
         "pid": pid,
-        "start": state[1] if state else None,
+        "started": process_start_time(pid),
         "host": socket.gethostname(),
         "pid_ns": _pid_namespace(),
     }
@@ -245,19 +235,8 @@ def _owner_alive(record: Any) -> bool:
     # Another host or PID namespace (a container sharing /dev/shm): its pids are not ours.
     if record.get("host") != socket.gethostname() or record.get("pid_ns") != _pid_namespace():
         return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # e.g. another user's process: alive
-    state = _process_state(pid)
-    if state is None:
-        return True
-    if state[0] == "Z":
-        return False  # killed, not yet reaped
-    start = record.get("start")
-    return start is None or start == state[1]  # another start time: the pid was reused
+    started = record.get("started")  # absent in markers older than this field: not compared
+    return process_alive(pid, started if isinstance(started, float) else None)
 
 
 def sweep_stale_stores(parent: str | Path) -> list[Path]:

@@ -27,55 +27,77 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, Strict, model_validator
+from pydantic.dataclasses import dataclass as options_dataclass
 
 from ascend_mepic.core.identity import ChunkId
+from ascend_mepic.core.options import OPTIONS, build
 
 logger = logging.getLogger(__name__)
 
-OFFLOAD_MODES = ("compile",)
-LOAD_MODES = ("auto", "always", "never")
 CPU_BACKEND = "LocalCPUBackend"
 SHARED_BACKEND = "RemoteBackend"  # LMCache's name for the fs:// or redis:// backend
 
 
-@dataclass(frozen=True)
+@options_dataclass(frozen=True, config=OPTIONS)
 class TierConfig:
-    """``{"mepic": {"tier": {...}}}``; an empty or absent ``tier`` turns the tier off."""
+    """``{"mepic": {"tier": {...}}}``; an empty or absent ``tier`` turns the tier off.
 
-    enabled: bool = False
-    cpu_gib: float = 0.5
-    disk: str = ""  # directory for LMCache's fs:// connector (persistent)
-    remote: str = ""  # an LMCache remote URL (redis://host:port, ...)
-    offload: str = "compile"
-    load: str = "auto"  # load from the tier: "auto" (measured costs), "always", "never"
-    lmcache: dict[str, Any] = field(default_factory=dict)  # extra LMCache config keys
+    Validated by pydantic when built, as vLLM's own configs are: an unknown key, a wrong type
+    or an out-of-range value fails naming the field (``config.MepicConfig`` nests this).
+    """
 
-    @classmethod
-    def parse(cls, raw: Any) -> TierConfig:
-        if not raw:
-            return cls()
-        if not isinstance(raw, dict):
-            raise ValueError(f'MEPIC "tier" must be an object, got {raw!r}')
-        known = {f.name for f in fields(cls)} - {"enabled"}
-        unknown = sorted(set(raw) - known - {"enabled"})
-        if unknown:
-            raise ValueError(f"unknown MEPIC tier option(s) {unknown}; known: {sorted(known)}")
-        config = cls(**{"enabled": True, **raw})
-        if config.offload not in OFFLOAD_MODES:
-            raise ValueError(f"tier offload must be one of {OFFLOAD_MODES}, got {config.offload!r}")
-        if config.load not in LOAD_MODES:
-            raise ValueError(f"tier load must be one of {LOAD_MODES}, got {config.load!r}")
-        if config.disk and config.remote:
+    enabled: Annotated[bool, Strict(), Field(description="set by giving a non-empty `tier`")] = (
+        False
+    )
+    cpu_gib: Annotated[
+        float,
+        Strict(),
+        Field(gt=0, description="LMCache's local CPU backend, per worker process (GiB)"),
+    ] = 0.5
+    disk: Annotated[
+        str,
+        Strict(),
+        Field(description="a directory served by LMCache's `fs://` connector (persistent)"),
+    ] = ""
+    remote: Annotated[
+        str,
+        Strict(),
+        Field(description="an LMCache remote URL shared by servers (`redis://host:port`)"),
+    ] = ""
+    offload: Annotated[
+        Literal["compile"], Field(description="when chunks are written to the tier")
+    ] = "compile"
+    load: Annotated[
+        Literal["auto", "always", "never"],
+        Field(description="load from the tier: by measured costs, always, or never"),
+    ] = "auto"
+    lmcache: Annotated[dict[str, Any], Field(description="extra LMCache config keys")] = field(
+        default_factory=dict
+    )
+
+    @model_validator(mode="after")
+    def _one_shared_backend(self) -> TierConfig:
+        if self.disk and self.remote:
             raise ValueError(
                 "LMCache 0.5.6 serves one remote backend per engine: give tier.disk or "
                 "tier.remote, not both"
             )
-        if config.cpu_gib <= 0:
-            raise ValueError("tier.cpu_gib must be > 0 (LMCache allocates through it)")
-        return config
+        return self
+
+    @classmethod
+    def parse(cls, raw: Any) -> TierConfig:
+        if isinstance(raw, cls):
+            return raw
+        if not raw:
+            return cls()
+        if not isinstance(raw, dict):
+            raise ValueError(f'MEPIC "tier" must be an object, got {raw!r}')
+        return build(cls, {"enabled": True, **raw}, prefix="MEPIC tier")
 
     @property
     def shared_url(self) -> str:

@@ -10,16 +10,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.entrypoints.generate.base.protocol import validate_cache_salt
+from vllm.entrypoints.generate.base.protocol import DeltaMessage, validate_cache_salt
 from vllm.entrypoints.openai.chat_completion import api_router as chat_api
 from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
     ChatMessage,
 )
 from vllm.entrypoints.openai.completion import api_router as completion_api
-from vllm.entrypoints.openai.completion.protocol import CompletionRequest, CompletionResponse
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+)
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 from vllm.entrypoints.serve.utils.api_utils import (
@@ -30,12 +40,20 @@ from vllm.entrypoints.serve.utils.api_utils import (
 from vllm.entrypoints.serve.utils.sse_keep_alive import with_sse_keep_alive
 
 __all__ = [
+    "ChatCompletionLogProb",
+    "ChatCompletionLogProbs",
+    "ChatCompletionLogProbsContent",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
     "ChatCompletionResponseChoice",
+    "ChatCompletionResponseStreamChoice",
+    "ChatCompletionStreamResponse",
     "ChatMessage",
+    "CompletionLogProbs",
     "CompletionRequest",
     "CompletionResponse",
+    "CompletionStreamResponse",
+    "DeltaMessage",
     "ErrorResponse",
     "chat_api",
     "completion_api",

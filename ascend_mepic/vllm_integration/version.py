@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from importlib.metadata import PackageNotFoundError, version
 
+from packaging.version import InvalidVersion, Version
+
 SUPPORTED_VLLM = "0.30.0"
 SUPPORTED_VLLM_ASCEND = "0.30.0rc2"
 # Escape hatch for porting work only: set to 1 to start on another vLLM at your own risk.
@@ -43,18 +45,25 @@ def installed_vllm_version() -> str:
     return "unknown"
 
 
-def base_version(raw: str) -> str:
-    """``0.30.0+cpu`` / ``0.30.0.dev1+g...`` -> ``0.30.0`` (local and dev tags do not change the
-    code the plugin touches within a release)."""
-    core = raw.split("+", 1)[0]
-    parts = core.split(".")
-    return ".".join(parts[:3])
+def same_release(found: str, pin: str) -> bool:
+    """Whether version ``found`` is release ``pin`` (PEP 440, ``packaging.version``).
+
+    Local tags (``0.30.0+cpu``) and dev builds (``0.30.0.dev1+g...``) of it count: they do not
+    change the code the plugin touches within a release. Pre- and post-releases count only as
+    themselves (``0.30.0rc1`` is not ``0.30.0``; ``0.30.0rc2+x`` is ``0.30.0rc2``).
+    """
+    try:
+        f, p = Version(found), Version(pin)
+    except InvalidVersion:
+        return False
+    same = Version(f.base_version) == Version(p.base_version)
+    return same and f.pre == p.pre and f.post == p.post
 
 
 def check_vllm_version(found: str | None = None) -> str:
     """Raise ``UnsupportedVllmVersion`` unless vLLM is the supported release; returns it."""
     found = installed_vllm_version() if found is None else found
-    if base_version(found) == SUPPORTED_VLLM or os.environ.get(SKIP_CHECK_ENV) == "1":
+    if same_release(found, SUPPORTED_VLLM) or os.environ.get(SKIP_CHECK_ENV) == "1":
         return found
     raise UnsupportedVllmVersion(
         f"ascend_mepic supports vLLM {SUPPORTED_VLLM} only (the version vllm-ascend "

@@ -180,3 +180,56 @@ def test_tier_misses_a_chunk_stored_under_other_weights(tmp_path):
         reader.close()
         reader_index.close()
         writer.close()
+
+
+def _v1_digest(files) -> str:
+    """The digest before v2: one SHA-256 stream over names, sizes and contents."""
+    import hashlib
+    import struct
+
+    h = hashlib.sha256(b"mepic-weights-v1")
+    for name, path in files:
+        data = path.read_bytes()
+        h.update(struct.pack("<QQ", len(name.encode()), len(data)))
+        h.update(name.encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def test_weights_are_hashed_with_blake3_and_v1_identities_are_never_reused(tmp_path, monkeypatch):
+    """v2 (BLAKE3, files in parallel) gives other digests than v1 (SHA-256), so chunk ids and
+    tier entries made under v1 are not found, rather than misread; a v1 digest cached on disk
+    under the same stat key is not used either."""
+    model = make_model(tmp_path / "m", os.urandom(1 << 20))
+    (model / "model-2.safetensors").write_bytes(b"")  # an empty file hashes too
+    v1 = _v1_digest(identity._weight_files(model.resolve()))
+    hashed = []
+    real = identity._hash_file
+    monkeypatch.setattr(identity, "_hash_file", lambda p: hashed.append(p.name) or real(p))
+    v2 = weights_digest(str(model))
+    assert v2 != v1 and len(v2) == 64
+    assert sorted(hashed) == ["config.json", "model-2.safetensors", "model.safetensors"]
+    v1_id = chunk_identity(TOKENS, BLOCK, model_fingerprint(str(model), "bf16", weights=v1))
+    assert chunk_identity(TOKENS, BLOCK, model_fingerprint(str(model), "bf16", weights=v2)) != v1_id
+
+
+def test_a_hub_snapshot_is_named_by_its_commit_without_reading_the_weights(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    hub = tmp_path / "hub"
+    commits = ["a" * 40, "b" * 40]
+    for commit in commits:
+        make_model(hub / "models--org--m" / "snapshots" / commit, b"\x01" * 64)
+    (hub / "models--org--m" / "refs").mkdir()
+    (hub / "models--org--m" / "refs" / "main").write_text(commits[1])
+
+    def refuse(_files):
+        raise AssertionError("a hub snapshot's weights were read")
+
+    monkeypatch.setattr(identity, "_hash_weight_files", refuse)
+    snap = [weights_digest(str(hub / "models--org--m" / "snapshots" / c)) for c in commits]
+    assert snap[0] != snap[1]
+    # a hub id whose snapshot is in the local cache (what vLLM loads) gets the same digest
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    assert weights_digest("org/m") == snap[1]
+    assert weights_digest("org/m", commits[0]) == snap[0]

@@ -236,6 +236,39 @@ def test_chat_streaming_with_markers(client):
     assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
 
 
+def test_chat_streaming_with_logprobs_through_the_openai_client(server, model):
+    """The official ``openai`` client streams a marked chat request with logprobs: vLLM's own
+    chunk models, each token's logprob and its ``top_logprobs`` likeliest, as the same request
+    unstreamed returns them."""
+    import openai
+
+    api = openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S)
+    ask = {
+        "model": model,
+        "messages": [{"role": "user", "content": marked(DOCS[2])}],
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    text, content = "", []
+    for chunk in api.chat.completions.create(**ask, stream=True):
+        assert chunk.object == "chat.completion.chunk"
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            if choice.logprobs is not None:
+                content += choice.logprobs.content or []
+    whole = api.chat.completions.create(**ask).choices[0]
+    assert text == whole.message.content and len(content) == 4
+    assert [c.token for c in content] == [c.token for c in whole.logprobs.content]
+    for streamed, unstreamed in zip(content, whole.logprobs.content, strict=True):
+        assert streamed.logprob == pytest.approx(unstreamed.logprob, abs=1e-4)
+        assert len(streamed.top_logprobs) == 2
+        best = [t.logprob for t in streamed.top_logprobs]
+        assert best == sorted(best, reverse=True) and streamed.logprob <= best[0] + 1e-4
+        assert streamed.bytes == list(streamed.token.encode("utf-8", "replace"))
+
+
 def test_metrics_show_chunk_sharing(client):
     for question in ("First?", "Second?"):
         assert complete(client, marked(DOCS[1], question)).status_code == 200

@@ -126,8 +126,8 @@ def _marked(path: Path, **record) -> Path:
 
 def test_sweep_removes_only_stores_whose_owner_is_gone(tmp_path):
     me = hs._owner_record(os.getpid())
-    dead = _marked(tmp_path / "dead", **{**me, "pid": _dead_pid(), "start": None})
-    reused = _marked(tmp_path / "reused", **{**me, "start": me["start"] - 1})
+    dead = _marked(tmp_path / "dead", **{**me, "pid": _dead_pid(), "started": None})
+    reused = _marked(tmp_path / "reused", **{**me, "started": me["started"] - 1.0})
     alive = _marked(tmp_path / "alive", **me)
     other_ns = _marked(tmp_path / "other-ns", **{**me, "pid": _dead_pid(), "pid_ns": "pid:[1]"})
     garbage = tmp_path / "garbage"

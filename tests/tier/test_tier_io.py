@@ -91,7 +91,7 @@ def test_tier_config_errors():
         TierConfig.parse({"cpu": 1})
     with pytest.raises(ValueError, match="not both"):
         TierConfig.parse({"disk": "/x", "remote": "redis://h:1"})
-    with pytest.raises(ValueError, match="load must be one of"):
+    with pytest.raises(ValueError, match="tier option 'load': Input should be 'auto', 'always'"):
         TierConfig.parse({"load": "sometimes"})
     with pytest.raises(ValueError, match="host store"):
         MepicConfig.from_additional_config({"mepic": {"policy": "epic-16", "tier": {"cpu_gib": 1}}})

@@ -13,10 +13,18 @@ from fastapi.responses import JSONResponse
 from vllm.exceptions import GenerationError
 
 from ascend_mepic.vllm_integration.openai_api import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
     ChatMessage,
+    CompletionLogProbs,
     CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
     create_error_response,
 )
 
@@ -84,7 +92,39 @@ def chat_id(completion_id: str) -> str:
     return "chatcmpl-" + completion_id.removeprefix("cmpl-")
 
 
-def chat_response(resp: CompletionResponse) -> ChatCompletionResponse:
+def chat_logprobs(
+    logprobs: CompletionLogProbs | None, top: int | None
+) -> ChatCompletionLogProbs | None:
+    """A completion's logprobs in chat form: per token, its logprob and the ``top`` likeliest.
+
+    The completion's ``top_logprobs`` maps each candidate's text to its logprob (the sampled
+    token included); chat lists the ``top`` best, likeliest first, with each token's bytes.
+    """
+    if logprobs is None or top is None:
+        return None
+    content = []
+    for token, logprob, candidates in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        best = sorted((candidates or {}).items(), key=lambda kv: kv[1], reverse=True)[:top]
+        content.append(
+            ChatCompletionLogProbsContent(
+                token=token,
+                logprob=max(logprob if logprob is not None else -9999.0, -9999.0),
+                bytes=list(token.encode("utf-8", errors="replace")),
+                top_logprobs=[
+                    ChatCompletionLogProb(
+                        token=t, logprob=max(lp, -9999.0), bytes=list(t.encode("utf-8", "replace"))
+                    )
+                    for t, lp in best
+                ],
+            )
+        )
+    return ChatCompletionLogProbs(content=content)
+
+
+def chat_response(resp: CompletionResponse, top_logprobs: int | None) -> ChatCompletionResponse:
+    """A MEPIC completion as the chat response (``top_logprobs``: the request's, None: off)."""
     return ChatCompletionResponse(
         id=chat_id(resp.id),
         created=resp.created,
@@ -93,6 +133,7 @@ def chat_response(resp: CompletionResponse) -> ChatCompletionResponse:
             ChatCompletionResponseChoice(
                 index=c.index,
                 message=ChatMessage(role="assistant", content=c.text),
+                logprobs=chat_logprobs(c.logprobs, top_logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
@@ -103,36 +144,36 @@ def chat_response(resp: CompletionResponse) -> ChatCompletionResponse:
     )
 
 
-async def chat_stream(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
-    """Completion SSE events rewritten as ``chat.completion.chunk`` events."""
+async def chat_stream(
+    events: AsyncGenerator[str, None], top_logprobs: int | None
+) -> AsyncGenerator[str, None]:
+    """Completion SSE events as vLLM's ``chat.completion.chunk`` events (its own models)."""
     started: set[int] = set()
     async for event in events:
         data = event_data(event)
         if not isinstance(data, dict) or "error" in data:
             yield event
             continue
+        completion = CompletionStreamResponse.model_validate(data)
         choices = []
-        for c in data.get("choices", []):
-            delta: dict[str, Any] = {"content": c.get("text", "")}
-            if c.get("index", 0) not in started:
-                started.add(c.get("index", 0))
-                delta = {"role": "assistant", **delta}
+        for c in completion.choices:
+            first = c.index not in started
+            started.add(c.index)
             choices.append(
-                {
-                    "index": c.get("index", 0),
-                    "delta": delta,
-                    "logprobs": None,
-                    "finish_reason": c.get("finish_reason"),
-                    "stop_reason": c.get("stop_reason"),
-                }
+                ChatCompletionResponseStreamChoice(
+                    index=c.index,
+                    delta=DeltaMessage(role="assistant" if first else None, content=c.text),
+                    logprobs=chat_logprobs(c.logprobs, top_logprobs),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
             )
-        chunk = {
-            "id": chat_id(data.get("id", "")),
-            "object": "chat.completion.chunk",
-            "created": data.get("created"),
-            "model": data.get("model"),
-            "choices": choices,
-        }
-        if data.get("usage") is not None:
-            chunk["usage"] = data["usage"]
-        yield f"data: {json.dumps(chunk)}\n\n"
+        chunk = ChatCompletionStreamResponse(
+            id=chat_id(completion.id),
+            object="chat.completion.chunk",  # set, so that exclude_unset keeps it (as vLLM does)
+            created=completion.created,
+            model=completion.model,
+            choices=choices,
+            usage=completion.usage,
+        )
+        yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"

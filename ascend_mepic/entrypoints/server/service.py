@@ -225,7 +225,7 @@ class MepicService:
         if isinstance(result, ErrorResponse):
             return JSONResponse(content=result.model_dump(), status_code=result.error.code)
         if isinstance(result, CompletionResponse):
-            body = chat_response(result) if to_chat else result
+            body = chat_response(result, request.logprobs) if to_chat else result
             return JSONResponse(content=body.model_dump())
         # Streaming: wait for the first event, so a request the engine rejects at arrival
         # still gets a 400 before any 200 header goes out.
@@ -247,7 +247,7 @@ class MepicService:
             async for event in result:
                 yield event
 
-        events = chat_stream(replay()) if to_chat else replay()
+        events = chat_stream(replay(), request.logprobs) if to_chat else replay()
         return StreamingResponse(
             content=with_sse_keep_alive(events, self.sse_keep_alive),
             media_type="text/event-stream",
@@ -313,6 +313,9 @@ class MepicService:
             prompt=tokens,
             max_tokens=fields.get("max_completion_tokens", fields.get("max_tokens")),
             vllm_xargs=xargs,
+            # chat's logprobs + top_logprobs N are a completion's logprobs N (the sampled
+            # token's and the N likeliest), shown in chat form by ``responses.chat_logprobs``
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         )
         return CompletionRequest.model_validate(body)
 
@@ -407,7 +410,6 @@ def _reject_unsupported_completion(request: CompletionRequest) -> None:
 def _reject_unsupported_chat(request: ChatCompletionRequest) -> None:
     bad = {
         "use_beam_search": request.use_beam_search,
-        "logprobs": bool(request.logprobs),
         "prompt_logprobs": request.prompt_logprobs is not None,
         "truncate_prompt_tokens": request.truncate_prompt_tokens is not None,
         "echo": request.echo,

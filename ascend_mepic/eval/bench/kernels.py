@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ascend_mepic.eval.outputs import positive
+from ascend_mepic.host import cpu_info
 from ascend_mepic.ops import cpu_kernel
 from ascend_mepic.ops.layout import cache_view
 from ascend_mepic.ops.metadata import PagedRopeMetadata
@@ -198,7 +199,7 @@ def run(
             "dtypes": list(dtypes),
         },
         "threads": torch.get_num_threads(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor()},
+        "machine": {"platform": platform.platform(), "processor": cpu_info().describe()},
         "note": "ratios are throughput, MEPIC / vLLM (above 1: MEPIC faster); min over dtypes",
     }
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from ascend_mepic.entrypoints.streams import data_stream, log
 from ascend_mepic.eval.bench import stats
+from ascend_mepic.eval.bench.plots import pyplot
 
 DEFAULT_COMPARE = ["full", "prefix", "naive", "epic-16", "cacheblend-15", "cachetune-15", "mepic"]
 # make demo: Table 2's policies (MEPIC and both baselines) and full recompute for fidelity.
@@ -69,7 +70,7 @@ def _run_policies(
 
 
 def _plot_timeline(rows: list[dict], path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -87,7 +88,7 @@ def _plot_timeline(rows: list[dict], path: Path) -> None:
 
 def _plot_compare(rows: list[dict], path: Path, title: str) -> bool:
     """Peak KV (% of pool) and mean latency per policy, side by side."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     names = [r["policy"] for r in rows]
@@ -112,7 +113,7 @@ def _plot_compare(rows: list[dict], path: Path, title: str) -> bool:
 
 
 def _plot_sweep(rows: list[dict], xname: str, path: Path, title: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
@@ -130,26 +131,6 @@ def _plot_sweep(rows: list[dict], xname: str, path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
-
-_WARNED = []
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        if not _WARNED:
-            log(
-                "[bench] matplotlib is not installed: skipping plots "
-                "(install it into the venv, e.g. `.venv/bin/pip install matplotlib`)"
-            )
-            _WARNED.append(True)
-        return None
-    return plt
 
 
 def _notes(args: argparse.Namespace) -> list[str]:

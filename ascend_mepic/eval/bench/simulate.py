@@ -265,9 +265,9 @@ def _render_sweep(rows: list[dict], key: str, title: str, n: int, paper: dict) -
 
 
 def _plot(rows: list[dict], key: str, xlabel: str, path: Path, title: str) -> None:
-    from ascend_mepic.eval.bench.main import _pyplot
+    from ascend_mepic.eval.bench.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))

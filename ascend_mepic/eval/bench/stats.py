@@ -7,9 +7,10 @@ import math
 import platform
 import random
 import statistics
-import subprocess
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from ascend_mepic.eval.outputs import check_records, positive
 
@@ -63,13 +64,8 @@ def poisson_arrivals(n: int, qps: float, seed: int = 0) -> list[float]:
 
 
 def percentile(xs: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile, ``q`` in [0, 100]."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    """numpy's linear-interpolated percentile, ``q`` in [0, 100]; NaN for no samples."""
+    return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
 def kl_first_token(full: Mapping[int, float], policy: Mapping[int, float]) -> float:
@@ -246,15 +242,9 @@ def workload_stats(
 
 
 def hardware() -> str:
-    lines = [f"{platform.platform()}, Python {platform.python_version()}"]
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.split(":")[0].strip() in ("Model name", "CPU(s)", "Architecture"):
-                lines.append(" ".join(line.split()))
-    except (OSError, subprocess.SubprocessError):
-        lines.append(f"processor: {platform.processor() or 'unknown'}")
-    return "; ".join(lines)
+    from ascend_mepic.host import cpu_info
+
+    return f"{platform.platform()}, Python {platform.python_version()}; {cpu_info().describe()}"
 
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
