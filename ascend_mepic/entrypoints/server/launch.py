@@ -84,6 +84,12 @@ def apply_mepic_defaults(
             "worker runs next); drop --async-scheduling"
         )
     args.async_scheduling = False  # vLLM 0.30.0's default is on outside the CPU platform
+    if (getattr(args, "api_server_count", None) or 1) > 1:
+        # vLLM's single-server launcher (what this command runs) would silently start one.
+        raise ValueError(
+            f"ascend-mepic serve runs one API server process; --api-server-count "
+            f"{args.api_server_count} is not supported by it (drop the option)"
+        )
     if is_cpu and args.block_size is None:
         args.block_size = CPU_BLOCK_SIZE
     if args.worker_cls == NPU_WORKER_CLS and not args.enforce_eager:
