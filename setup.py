@@ -46,6 +46,10 @@ setup(
     entry_points={
         "vllm.general_plugins": ["ascend_mepic = ascend_mepic.plugin:register"],
         "vllm.endpoint_plugins": ["ascend_mepic = ascend_mepic.entrypoints.server:MepicEndpointPlugin"],
+        # MEPIC's engine metrics on /metrics (vllm_integration/stat_logger.py)
+        "vllm.stat_logger_plugins": [
+            "ascend_mepic = ascend_mepic.vllm_integration.stat_logger:MepicStatLogger"
+        ],
         "console_scripts": ["ascend-mepic = ascend_mepic.entrypoints.cli:main"],
     },
 )

@@ -11,7 +11,6 @@ from fastapi import FastAPI
 from starlette.datastructures import State
 
 from ascend_mepic.config import MepicConfig
-from ascend_mepic.entrypoints.server.metrics import register_stats_collector
 from ascend_mepic.entrypoints.server.routes import router
 from ascend_mepic.entrypoints.server.service import MepicService
 from ascend_mepic.vllm_integration.route_override import include_router_replacing
@@ -52,7 +51,6 @@ class MepicEndpointPlugin:
         if config is None or engine_client is None:
             return
         state.mepic = MepicService(engine_client, state, args, config)
-        register_stats_collector(config.stats_file)
         logger.info(
             "MEPIC serving on: markers %r/%r, block size %d, stats %s",
             config.chunk_begin,

@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse, Response
 
 from ascend_mepic.core.markers import MarkerError
 from ascend_mepic.core.segments import LayoutError
-from ascend_mepic.entrypoints.server.metrics import read_stats
 from ascend_mepic.entrypoints.server.protocol import ChunkCreate
 from ascend_mepic.entrypoints.server.responses import error_json
 from ascend_mepic.entrypoints.server.service import MepicService
@@ -28,6 +27,7 @@ from ascend_mepic.vllm_integration.openai_api import (
 )
 from ascend_mepic.vllm_integration.openai_api import chat_api as vllm_chat_api
 from ascend_mepic.vllm_integration.openai_api import completion_api as vllm_completion_api
+from ascend_mepic.vllm_integration.stat_logger import read_stats
 
 router = APIRouter()
 
