@@ -490,8 +490,7 @@ def test_serve_defaults_merge_with_user_options(monkeypatch):
         apply_mepic_defaults(args(enable_prefix_caching=False), is_cpu=True, environ=environ)
     with pytest.raises(ValueError, match="async scheduling"):
         apply_mepic_defaults(args(async_scheduling=True), is_cpu=True, environ=environ)
-    with pytest.raises(ValueError, match="--api-server-count 2 is not supported"):
-        apply_mepic_defaults(args(api_server_count=2), is_cpu=True, environ=environ)
+
     with pytest.raises(ValueError, match="unknown MEPIC option"):
         apply_mepic_defaults(
             args(additional_config={"mepic": {"bogus": 1, "stats_file": "/s"}}), is_cpu=True

@@ -11,6 +11,7 @@ the tier: loading must be invisible in the outputs, and so must every failure pa
 from __future__ import annotations
 
 import random
+import re
 import time
 
 import pytest
@@ -149,7 +150,10 @@ def _wait_for_redis_entries(url: str, timeout_s: float = 30.0) -> None:
 
 
 def test_two_servers_share_chunks_through_redis(model, redis_url, tmp_path):
-    """Two ``ascend-mepic serve`` processes on one Redis: the second loads the first's chunk."""
+    """Two ``ascend-mepic serve`` processes on one Redis: the second loads the first's chunk.
+
+    The second runs two API servers (``--api-server-count 2``: vLLM's manager, prometheus'
+    multiprocess mode); MEPIC's metrics still reach ``/metrics`` (its stat-logger plugin)."""
     import json
 
     import httpx
@@ -162,7 +166,8 @@ def test_two_servers_share_chunks_through_redis(model, redis_url, tmp_path):
     prompt = marked(DOCS[0] + " " + DOCS[1], "What does the farmer remember?")
     texts, stats = [], []
     for i in range(2):
-        server, stop = launch_server(model, tmp_path / f"server{i}", args)
+        api_servers = ["--api-server-count", "2"] if i == 1 else []
+        server, stop = launch_server(model, tmp_path / f"server{i}", args + api_servers)
         try:
             with httpx.Client(base_url=server, timeout=120) as client:
                 body = {"prompt": prompt, "max_tokens": 6, "temperature": 0.0}
@@ -170,6 +175,7 @@ def test_two_servers_share_chunks_through_redis(model, redis_url, tmp_path):
                 assert r.status_code == 200, r.text
                 texts.append(r.json()["choices"][0]["text"])
                 stats.append(fresh_stats(client)["metrics"])
+                metrics = client.get("/metrics").text
             if i == 0:
                 _wait_for_redis_entries(url)
         finally:
@@ -179,3 +185,6 @@ def test_two_servers_share_chunks_through_redis(model, redis_url, tmp_path):
     tier_counts = {k: v for k, v in stats[1].items() if k.startswith(("tier", "chunk"))}
     assert stats[1]["chunk_misses"] == 0 and stats[1]["tier_loads"] == 1, tier_counts
     assert stats[1]["tier_worker_loads_RemoteBackend"] == 1
+    # the second server's /metrics, from either of its API servers (the last scrape's)
+    assert re.search(r"^ascend_mepic_tier_loads_total 1\.0$", metrics, re.M), metrics[-3000:]
+    assert re.search(r"^ascend_mepic_chunk_misses_total 0\.0$", metrics, re.M)

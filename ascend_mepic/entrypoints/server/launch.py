@@ -84,12 +84,6 @@ def apply_mepic_defaults(
             "worker runs next); drop --async-scheduling"
         )
     args.async_scheduling = False  # vLLM 0.30.0's default is on outside the CPU platform
-    if (getattr(args, "api_server_count", None) or 1) > 1:
-        # vLLM's single-server launcher (what this command runs) would silently start one.
-        raise ValueError(
-            f"ascend-mepic serve runs one API server process; --api-server-count "
-            f"{args.api_server_count} is not supported by it (drop the option)"
-        )
     if is_cpu and args.block_size is None:
         args.block_size = CPU_BLOCK_SIZE
     if args.worker_cls == NPU_WORKER_CLS and not args.enforce_eager:
@@ -118,14 +112,13 @@ def serve(argv: Sequence[str]) -> None:
     """``ascend-mepic serve MODEL [vLLM server options]``: vLLM's OpenAI server, MEPIC on."""
     check_vllm_version()
     allow_mepic_plugins()  # before vLLM reads it anywhere
-    import uvloop
     from vllm.platforms import current_platform
 
     from ascend_mepic.vllm_integration.openai_launcher import (
         FlexibleArgumentParser,
         cli_env_setup,
         make_arg_parser,
-        run_server,
+        serve_command,
         validate_parsed_serve_args,
     )
 
@@ -148,4 +141,6 @@ def serve(argv: Sequence[str]) -> None:
         atexit.register(shutil.rmtree, temp_dir, True)
     logger.info("MEPIC config: %s", json.dumps(args.additional_config["mepic"]))
     validate_parsed_serve_args(args)
-    uvloop.run(run_server(args))
+    # `vllm serve`'s own command body: one API server in this process, or with
+    # --api-server-count N several (and prometheus' multiprocess mode) under vLLM's manager.
+    serve_command(args)
