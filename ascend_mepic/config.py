@@ -159,10 +159,6 @@ class MepicConfig:
             return cls(enabled=False)
         return cls.from_options(raw)
 
-    @property
-    def tier_config(self) -> TierConfig:
-        return self.tier
-
     def store_root(self, vllm_config: Any) -> str:
         from ascend_mepic.tier.host_store import default_root
 

@@ -63,7 +63,7 @@ class MepicScheduler(Scheduler):
         check_engine_supported(
             self.vllm_config,
             self.mepic_config.parsed_policy,
-            self.mepic_config.tier_config.enabled,
+            self.mepic_config.tier.enabled,
         )
         self.pic_policy = self.mepic_config.parsed_policy
         self._step_count = 0
@@ -119,7 +119,7 @@ class MepicScheduler(Scheduler):
         store = tier = None
         if self.pic_policy.loads_kv:
             store = host_store(root, owner=True)
-        tier_config = self.mepic_config.tier_config
+        tier_config = self.mepic_config.tier
         if tier_config.enabled:
             host_store(root, owner=True)  # owns (and removes at exit) the shared directory
             tier = TierIndex(tier_config, Path(root) / "tier", model.model)

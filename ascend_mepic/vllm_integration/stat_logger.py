@@ -1,7 +1,8 @@
 """MEPIC's engine metrics on vLLM's ``/metrics``, through vLLM's stat-logger plugin hook.
 
-The scheduler (engine core process) writes its metrics to a JSON stats file after each step
-that produced outputs (at once when the engine goes idle); ``SchedulerStats`` cannot carry them,
+The scheduler (engine core process) writes its metrics to a JSON stats file after its steps (at
+most every 0.25 s while requests run, at once when it goes idle, before the step's outputs are
+sent); ``SchedulerStats`` cannot carry them,
 since vLLM 0.30 decodes it into its declared fields only. :class:`MepicStatLogger` is registered
 under vLLM's ``vllm.stat_logger_plugins`` entry point, so every API server process builds one
 with its ``AsyncLLM``; on each ``record`` (each batch of engine outputs) and each periodic ``log``

@@ -56,7 +56,7 @@ class MepicRunnerMixin:
         )  # fmt: skip
         policy = config.parsed_policy
         self._store = host_store(config.store_root(vllm_config)) if policy.loads_kv else None
-        tier = config.tier_config
+        tier = config.tier
         self._tier = (
             WorkerTier(
                 tier, Path(config.store_root(vllm_config)) / "tier", vllm_config.model_config.model

@@ -96,7 +96,7 @@ def test_tier_config_errors():
     with pytest.raises(ValueError, match="host store"):
         MepicConfig.from_additional_config({"mepic": {"policy": "epic-16", "tier": {"cpu_gib": 1}}})
     config = MepicConfig.from_additional_config({"mepic": {"tier": {"cpu_gib": 1}}})
-    assert config.tier_config.enabled and config.tier_config.cpu_gib == 1
+    assert config.tier.enabled and config.tier.cpu_gib == 1
 
 
 def test_flush_waits_for_puts_to_reach_the_shared_backend(redis_url, tmp_path):

@@ -33,20 +33,9 @@ def _model(name: str) -> str:
 
 
 def _job(args: argparse.Namespace, policy: str, qps: float, chunks: int) -> dict[str, Any]:
-    return {
-        "policy": policy,
-        "model": _model(args.model),
-        "requests": args.requests,
-        "chunks": chunks,
-        "seed": args.seed,
-        "articles": args.articles,
-        "block_size": args.block_size,
-        "max_tokens": args.max_tokens,
-        "qps": qps,
-        "kv_gib": args.kv_gib,
-        "max_num_batched_tokens": args.max_batched_tokens,
-        "progress": not args.no_progress,
-    }
+    from ascend_mepic.eval.bench.runner import bench_job
+
+    return bench_job(args, _model(args.model), policy, qps, chunks, progress=not args.no_progress)
 
 
 def _run_policies(

@@ -26,6 +26,26 @@ from ascend_mepic.eval.outputs import (
 STOCK_POLICIES = ("prefix", "full-stock")
 
 
+def bench_job(
+    args: Any, model: str, policy: str, qps: float, chunks: int, **extra: Any
+) -> dict[str, Any]:
+    """A runner job from the benchmark options every real-engine command shares."""
+    return {
+        "policy": policy,
+        "model": model,
+        "requests": args.requests,
+        "chunks": chunks,
+        "seed": args.seed,
+        "articles": args.articles,
+        "block_size": args.block_size,
+        "max_tokens": args.max_tokens,
+        "qps": qps,
+        "kv_gib": args.kv_gib,
+        "max_num_batched_tokens": args.max_batched_tokens,
+        **extra,
+    }
+
+
 def build_requests(tokenizer: Any, job: dict) -> list[tuple[Any, list]]:
     """(SquadQuestion, segments) per request: the chat-template SQuAD workload."""
     from ascend_mepic.eval.trace import squad_requests

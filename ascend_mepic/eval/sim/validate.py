@@ -23,22 +23,12 @@ TIME_TOLERANCE = 0.25
 
 
 def real_job(model: str, policy: str, qps: float, args: Any) -> dict[str, Any]:
-    return {
-        "policy": policy,
-        "model": model,
-        "requests": args.requests,
-        "chunks": args.chunks,
-        "seed": args.seed,
-        "articles": args.articles,
-        "block_size": args.block_size,
-        "max_tokens": args.max_tokens,
-        "qps": qps,
-        "kv_gib": args.kv_gib,
-        "max_num_batched_tokens": args.max_batched_tokens,
-        "progress": False,
-        "record_steps": True,
-        "logprobs": 0,
-    }
+    """The benchmark's job, every step recorded (work, wall time, blocks after schedule())."""
+    from ascend_mepic.eval.bench.runner import bench_job
+
+    return bench_job(
+        args, model, policy, qps, args.chunks, progress=False, record_steps=True, logprobs=0
+    )
 
 
 def real_runs(
