@@ -13,6 +13,8 @@ import pytest
 from ascend_mepic.core.segments import Segment, SegmentKind
 from ascend_mepic.eval.sim import calibrate, workloads
 from ascend_mepic.eval.sim.cost import FEATURES, ModelShape, StepWork, step_seconds
+from ascend_mepic.eval.sim.engine import StepNoise
+from ascend_mepic.eval.sim.worker import StepClock
 from ascend_mepic.eval.sim.profile import (
     PROFILE_DIR,
     DeviceProfile,
@@ -215,3 +217,16 @@ def test_a_pool_too_small_for_the_load_preempts_and_still_serves_everything():
     assert raw["preemptions"] > 0
     assert [r["output_tokens"] for r in raw["per_request"]] == [r.output_tokens for r in reqs]
     assert max(u for _, u in raw["kv_timeline"]) <= raw["pool_blocks"]
+    # Step noise (validate's noise band): with every request there from the start the schedule
+    # is the same step for step, so a device twice as slow doubles every time and nothing else;
+    # log-normal spread is drawn from a seeded generator, so a noisy replay repeats exactly.
+    slow = simulate("prefix", reqs, _profile(), str(resolve_model("smollm2")), block_size=16,
+                    max_num_batched_tokens=512, max_model_len=512, num_blocks=34,
+                    noise=StepNoise(scale=2.0))  # fmt: skip
+    assert [u for _, u in slow["kv_scheduled"]] == [u for _, u in raw["kv_scheduled"]]
+    assert slow["makespan_s"] == pytest.approx(2 * raw["makespan_s"])
+    clock, again = StepClock(sigma=0.2, seed=5), StepClock(sigma=0.2, seed=5)
+    draws = [clock(1.0) for _ in range(50)]
+    assert draws == [again(1.0) for _ in range(50)] and min(draws) < 0.9 < 1.1 < max(draws)
+    with pytest.raises(ValueError, match="scale > 0"):
+        StepNoise(scale=0.0)

@@ -199,7 +199,10 @@ def _measure(job: dict, llm: Any, tok: Any, requests: list, block_size: int) -> 
     manager = engine.engine_core.engine_core.scheduler.kv_cache_manager
     pool_blocks = manager.block_pool.num_gpu_blocks - 1  # block 0 is the null block
     params = SamplingParams(
-        temperature=0.0, max_tokens=job["max_tokens"], logprobs=job.get("logprobs", 20)
+        temperature=0.0,
+        max_tokens=job["max_tokens"],
+        logprobs=job.get("logprobs", 20),
+        ignore_eos=bool(job.get("ignore_eos")),  # fixed output lengths (the simulator's checks)
     )
 
     def prompt_of(segs: list) -> tuple[dict, Any]:

@@ -79,6 +79,8 @@ def fit_coefficients(
         "measured_s": float(b.sum()),
         "fitted_s": float(pred.sum()),
         "mean_abs_step_error": float(np.mean(np.abs(pred - b)) / max(1e-12, np.mean(b))),
+        # the spread of measured / fitted step time, for the validation's noise band
+        "log_step_sigma": float(np.std(np.log(np.maximum(b, 1e-9) / np.maximum(pred, 1e-9)))),
     }
     return fitted, quality
 

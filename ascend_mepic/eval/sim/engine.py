@@ -31,6 +31,21 @@ MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 MAX_IDLE_STEPS = 10_000  # steps in a row that schedule nothing before the run is declared stuck
 
 
+@dataclass(frozen=True)
+class StepNoise:
+    """Step times as a real device gives them: every priced step is multiplied by ``scale``
+    (the run is that much slower) and by a log-normal factor of spread ``sigma`` drawn from a
+    generator seeded with ``seed`` (step-to-step noise), so a replay is repeatable."""
+
+    scale: float = 1.0
+    sigma: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scale <= 0 or self.sigma < 0:
+            raise ValueError(f"step noise needs scale > 0 and sigma >= 0, got {self}")
+
+
 @dataclass
 class SimRequest:
     segments: list[Segment]
@@ -58,6 +73,7 @@ def engine_args(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     num_blocks: int | None = None,
+    noise: StepNoise | None = None,
 ) -> Any:
     """The engine arguments a real run of ``policy`` uses, with the simulated worker."""
     from vllm import EngineArgs
@@ -66,6 +82,8 @@ def engine_args(
     from ascend_mepic.offline import mepic_llm_kwargs
 
     sim = {"profile": asdict(profile), "token_id": 0}
+    if noise is not None:
+        sim["noise"] = asdict(noise)
     if policy == "prefix":
         kwargs: dict[str, Any] = {"enable_prefix_caching": True, "async_scheduling": False}
         kwargs["additional_config"] = {}
@@ -146,8 +164,12 @@ def simulate(
     max_model_len: int | None = None,
     num_blocks: int | None = None,
     record_steps: bool = False,
+    noise: StepNoise | None = None,
 ) -> dict[str, Any]:
-    """One policy over one trace on the simulated device; the engine is shut down after."""
+    """One policy over one trace on the simulated device; the engine is shut down after.
+
+    ``noise`` perturbs the priced step times (``StepNoise``): how far a load's peak KV and
+    latencies move when the device is a little slower, faster or noisier than its profile."""
     longest = max(sum(len(s.token_ids) for s in r.segments) + r.output_tokens for r in requests)
     chunks = max(sum(1 for s in r.segments if s.kind.value == "chunk") for r in requests)
     if max_model_len is None:
@@ -162,6 +184,7 @@ def simulate(
         max_num_batched_tokens,
         max_num_seqs,
         num_blocks,
+        noise,
     )
     core = build_engine_core(args)
     try:

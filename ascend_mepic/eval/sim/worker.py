@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from ascend_mepic.eval.sim.cost import ModelShape, StepTracker, StepWork, step_seconds
@@ -27,9 +28,22 @@ from ascend_mepic.vllm_integration.engine_core import (
     WorkerBase,
 )
 
-SIM_KEY = "mepic_sim"  # additional_config entry: {"profile": {...}, "token_id": int}
+SIM_KEY = "mepic_sim"  # additional_config: {"profile": {...}, "token_id": int, "noise": {...}}
 DTYPES = {2: torch.bfloat16, 4: torch.float32}
 GiB = 1 << 30
+
+
+class StepClock:
+    """Turns a priced step into the step time the simulation advances by (``StepNoise``)."""
+
+    def __init__(self, scale: float = 1.0, sigma: float = 0.0, seed: int = 0) -> None:
+        self.scale, self.sigma = scale, sigma
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, priced_s: float) -> float:
+        if self.sigma:
+            return priced_s * self.scale * float(self.rng.lognormal(0.0, self.sigma))
+        return priced_s * self.scale
 
 
 def sim_settings(vllm_config: Any) -> tuple[DeviceProfile, ModelShape, int]:
@@ -50,6 +64,8 @@ class SimulatedWorker(WorkerBase):
         kwargs.pop("shared_worker_lock", None)
         super().__init__(*args, **kwargs)
         self.profile, self.shape, self.token_id = sim_settings(self.vllm_config)
+        noise = (self.vllm_config.additional_config or {})[SIM_KEY].get("noise") or {}
+        self.clock = StepClock(**noise)
         self.tracker = StepTracker(self.shape.layers)
         self.last_work = StepWork()
         self.last_step_s = 0.0
@@ -100,7 +116,7 @@ class SimulatedWorker(WorkerBase):
     def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput:
         work, sampled = self.tracker.read(scheduler_output)
         self.last_work = work
-        self.last_step_s = step_seconds(work, self.shape, self.profile)
+        self.last_step_s = self.clock(step_seconds(work, self.shape, self.profile))
         self._save_to_host_store(scheduler_output)
         ids = list(scheduler_output.num_scheduled_tokens)
         chosen = set(sampled)
