@@ -211,7 +211,13 @@ def _measure(job: dict, llm: Any, tok: Any, requests: list, block_size: int) -> 
         return segment_request(segs, params)
 
     # Warm-up on an unrelated prompt-only request (shares no chunk with the workload).
-    warm = [Segment(SegmentKind.PROMPT, tuple(tok.encode("Hello, how are you today?")))]
+    # ``warmup_tokens`` makes it that long: the first full-budget step on a CPU pays a one-time
+    # cost (about 1 s on 2 cores) that would otherwise land on the first request's TTFT and
+    # queue behind it every later one (the simulator's validation sets it; steps are priced
+    # warm).
+    hello = tok.encode("Hello, how are you today?")
+    length = max(len(hello), int(job.get("warmup_tokens") or 0))
+    warm = [Segment(SegmentKind.PROMPT, tuple((hello * (length // len(hello) + 1))[:length]))]
     p, sp = prompt_of(warm)
     warm_params = sp.clone()
     warm_params.max_tokens = 2

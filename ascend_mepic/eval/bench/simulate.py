@@ -558,11 +558,12 @@ def add_parsers(bsub: Any) -> None:
     paper.set_defaults(func=cmd_paper)
 
     val = ssub.add_parser("validate", help="calibrate on this machine's engine, check at other QPS")
-    # Loads where the peak is a sum over many live requests: the noise band of every policy's
-    # peak fits 5% (at 24 requests of 16 tokens, QPS 0.25-1, it spans 20-40%).
+    # Loads where the peak is a sum over many live requests: every policy's noise band fits the
+    # tolerances (peak within 2%, times within 21%; at 24 requests of 16 tokens and QPS 0.25-1
+    # the peak's spans 20-40%, at QPS 2 EPIC's 40%).
     _real_options(val, 48, max_tokens=64, kv_gib=4)
-    val.add_argument("--calibrate-at", type=float, default=4.0)
-    val.add_argument("--points", type=float, nargs="+", default=[2.0, 8.0])
+    val.add_argument("--calibrate-at", type=float, default=6.0)
+    val.add_argument("--points", type=float, nargs="+", default=[3.0, 12.0])
     val.add_argument(
         "--no-noise-band",
         dest="noise_band",

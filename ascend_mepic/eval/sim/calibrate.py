@@ -45,7 +45,10 @@ def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
 
 
 def fit_coefficients(
-    records: Iterable[Mapping[str, Any]], shape: ModelShape, iterations: int = 20
+    records: Iterable[Mapping[str, Any]],
+    shape: ModelShape,
+    iterations: int = 20,
+    error_power: float = 0.5,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds per unit of each feature (``cost.FEATURES``; ``kv_bytes``'s is the memory's, which
     also streams the weights), and the fit's quality.
@@ -55,6 +58,12 @@ def fit_coefficients(
     rates, so the fit alternates: classify every step with the current rates, solve the
     non-negative least squares, until the classification stops changing; from three starting
     classifications, keeping the best.
+
+    Each step's error is weighted by ``1 / seconds ** error_power``. Relative errors (1.0) let
+    the many short decode steps decide the fit and underprice the few long prefill steps that
+    make TTFT (a CPU fit found attention free and missed TTFT by 20-28%); absolute errors (0.0)
+    do the reverse and missed latency by up to 54%. The square root weighs both (docs/results.md,
+    "Serving simulator").
     """
     works, target = [], []
     for rec in records:
@@ -69,7 +78,7 @@ def fit_coefficients(
     # "weight-streaming" at 15 GB/s and missed most steps by 40%): start it from none, half and
     # all of the steps streaming the weights, and keep the fit with the smallest residual.
     starts = [np.zeros(len(b), bool), linear < np.median(linear), np.ones(len(b), bool)]
-    fits = [_alternate(raw, b, shape, start, iterations) for start in starts]
+    fits = [_alternate(raw, b, shape, start, iterations, error_power) for start in starts]
     coef, memory_bound, _ = min(fits, key=lambda fit: fit[2])
     fitted = dict(zip(FEATURES, map(float, coef), strict=True))
     pred = np.array([_seconds(f, fitted, shape) for f in works])
@@ -86,13 +95,18 @@ def fit_coefficients(
 
 
 def _alternate(
-    raw: np.ndarray, b: np.ndarray, shape: ModelShape, memory_bound: np.ndarray, iterations: int
+    raw: np.ndarray,
+    b: np.ndarray,
+    shape: ModelShape,
+    memory_bound: np.ndarray,
+    iterations: int,
+    error_power: float,
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """Classify, solve, repeat from ``memory_bound``: (coefficients, classification, residual)."""
     col = {k: i for i, k in enumerate(FEATURES)}
-    # Relative errors: a decode step of 50 ms counts as much as a prefill of 3 s (request
-    # latencies are sums of many small steps, TTFTs of a few large ones).
-    w = 1.0 / np.maximum(b, 1e-6)
+    # Request latencies are sums of many small steps, TTFTs of a few large ones: weights
+    # between relative and absolute errors (``fit_coefficients`` says why).
+    w = 1.0 / np.maximum(b, 1e-6) ** error_power
     coef = np.zeros(len(FEATURES))
     for _ in range(iterations):
         a = raw.copy()

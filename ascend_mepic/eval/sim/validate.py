@@ -43,6 +43,7 @@ def real_job(model: str, policy: str, qps: float, args: Any) -> dict[str, Any]:
         record_steps=True,
         logprobs=0,
         ignore_eos=True,  # every request decodes max_tokens: the load is the one asked for
+        warmup_tokens=args.max_batched_tokens,  # the steps the simulator prices are warm ones
     )
 
 
