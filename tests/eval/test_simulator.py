@@ -14,13 +14,13 @@ from ascend_mepic.core.segments import Segment, SegmentKind
 from ascend_mepic.eval.sim import calibrate, workloads
 from ascend_mepic.eval.sim.cost import FEATURES, ModelShape, StepWork, step_seconds
 from ascend_mepic.eval.sim.engine import StepNoise
-from ascend_mepic.eval.sim.worker import StepClock
 from ascend_mepic.eval.sim.profile import (
     PROFILE_DIR,
     DeviceProfile,
     available_profiles,
     load_profile,
 )
+from ascend_mepic.eval.sim.worker import StepClock
 
 SHAPE = ModelShape("m", layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, intermediate=16,
                    vocab=32, dtype_bytes=2)  # fmt: skip
