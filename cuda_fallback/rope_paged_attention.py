@@ -53,6 +53,7 @@ by ``benchmarks/ops/bench_triton_gpu.py``, docs/results.md). Not run inside vLLM
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -454,7 +455,41 @@ def _validate(
         )
 
 
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch of a call: what ``rope_paged_attention_triton`` runs, and what the
+    compile check (``tests/ops/cuda_compile.py``) compiles for a GPU without one."""
+
+    kernel: Any  # a ``triton.JITFunction``
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
+
+
 def rope_paged_attention_triton(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: PagedRopeMetadata,
+    rope: RopeSpec,
+    scale: float,
+    **options: Any,
+) -> torch.Tensor:
+    """Fused-RoPE paged attention; same contract and result as the torch reference.
+
+    ``options`` are ``plan_launches``'s keywords (tile sizes, launch, splits, precomputed
+    prefill tiles, ``apply_rope``, ``kernel``, ``half_dots``).
+    """
+    _validate(query, kv_cache, meta, rope)
+    out, launches = plan_launches(query, kv_cache, meta, rope, scale, **options)
+    for launch in launches:
+        launch()
+    return out
+
+
+def plan_launches(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: PagedRopeMetadata,
@@ -470,8 +505,9 @@ def rope_paged_attention_triton(
     num_stages: int | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
     half_dots: bool | None = None,
-) -> torch.Tensor:
-    """Fused-RoPE paged attention; same contract and result as the torch reference.
+) -> tuple[torch.Tensor, list[KernelLaunch]]:
+    """The output buffer and the launches that fill it, not yet run (no device needed: the
+    compile check plans the shipped launches from CPU tensors).
 
     ``kernel`` forces ``"prefill"`` or ``"decode"`` (default: decode when
     ``meta.max_query_len <= 1``, trusted as given). ``tiles`` is ``prefill_tiles(loc, block_m)``
@@ -482,7 +518,6 @@ def rope_paged_attention_triton(
     fp16/bf16 inputs into their dtype (True: the GPU's path, also under the interpreter) or fp32
     (False); None: fp32 under the interpreter, their dtype on a GPU. fp32 inputs: fp32 dots.
     """
-    _validate(query, kv_cache, meta, rope)
     if kernel not in (None, "prefill", "decode"):
         raise ValueError(f"kernel must be 'prefill' or 'decode', got {kernel!r}")
     device = query.device
@@ -490,7 +525,7 @@ def rope_paged_attention_triton(
     bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
     out = torch.empty_like(query)
     if t == 0:
-        return out
+        return out, []
     if query.stride(-1) != 1:
         query = query.contiguous()
     if kv_cache.stride(-1) != 1:
@@ -509,11 +544,11 @@ def rope_paged_attention_triton(
         raise ValueError("block_tables and the per-block metadata must have one shape")
 
     decode = kernel == "decode" or (kernel is None and meta.max_query_len <= 1)
-    launch = launch_config(decode, bs, meta.max_query_len)
-    block_m = block_m or launch.block_m
-    block_n = block_n or launch.block_n
-    num_warps = num_warps or launch.num_warps
-    num_stages = num_stages or launch.num_stages
+    cfg = launch_config(decode, bs, meta.max_query_len)
+    block_m = block_m or cfg.block_m
+    block_n = block_n or cfg.block_n
+    num_warps = num_warps or cfg.num_warps
+    num_stages = num_stages or cfg.num_stages
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n {block_n} must be a power of two >= 16")
     half = d // 2
@@ -545,17 +580,25 @@ def rope_paged_attention_triton(
         if splits & (splits - 1):
             raise ValueError(f"num_splits {splits} must be a power of two")
         part, lse = split_buffers(out, splits)
-        _decode_kernel[(meta.num_seqs, hkv, splits)](
-            query, out, part, lse, k, v, cos_sin, *metas, *strides, qk_scale,
-            GROUP=group, BLOCK_G=pow2_at_least(group, 16), NUM_SPLITS=splits, **common,
-            num_warps=num_warps, num_stages=num_stages,
-        )  # fmt: skip
+        launches = [
+            KernelLaunch(
+                _decode_kernel,
+                (meta.num_seqs, hkv, splits),
+                (query, out, part, lse, k, v, cos_sin, *metas, *strides, qk_scale),
+                dict(GROUP=group, BLOCK_G=pow2_at_least(group, 16), NUM_SPLITS=splits,
+                     **common, num_warps=num_warps, num_stages=num_stages),
+            )
+        ]  # fmt: skip
         if splits > 1:
-            combine_kernel[(t * hq,)](  # one program per (query, head)
-                part, lse, out, t, out.stride(0), out.stride(1),
-                NUM_HEADS=hq, NUM_SPLITS=splits, D=d, D_P=common["D_P"], num_warps=4,
-            )  # fmt: skip
-        return out
+            launches.append(
+                KernelLaunch(
+                    combine_kernel,
+                    (t * hq,),  # one program per (query, head)
+                    (part, lse, out, t, out.stride(0), out.stride(1)),
+                    dict(NUM_HEADS=hq, NUM_SPLITS=splits, D=d, D_P=common["D_P"], num_warps=4),
+                )
+            )
+        return out, launches
 
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m {block_m} must be a power of two >= 16")
@@ -565,8 +608,10 @@ def rope_paged_attention_triton(
         if tiles is None:
             tiles = meta.memo[key] = prefill_tiles(meta.query_start_loc, block_m, device)
     tile_seq, tile_row = (int32(x, device) for x in tiles)
-    _prefill_kernel[(tile_seq.numel(), hq)](
-        query, out, k, v, cos_sin, tile_seq, tile_row, *metas, *strides, qk_scale,
-        GROUP=group, BLOCK_M=block_m, **common, num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
-    return out
+    launch = KernelLaunch(
+        _prefill_kernel,
+        (tile_seq.numel(), hq),
+        (query, out, k, v, cos_sin, tile_seq, tile_row, *metas, *strides, qk_scale),
+        dict(GROUP=group, BLOCK_M=block_m, **common, num_warps=num_warps, num_stages=num_stages),
+    )
+    return out, [launch]
