@@ -46,8 +46,11 @@ the rotation, the half-tile scores, the online-softmax step, the split-KV combin
 input checks, are written once in ``ascend_mepic.ops.triton_common``.
 
 Status: tested on CPU under ``TRITON_INTERPRET=1`` (``tests/ops/test_triton.py``; the half dots:
-``tests/ops/test_triton_half.py``) and on one H100 (``tests/gpu/test_gpu_kernels.py``; timings
-by ``benchmarks/ops/bench_triton_gpu.py``, docs/results.md). Not run inside vLLM on a GPU.
+``tests/ops/test_triton_half.py``) and compiled for sm_90a and sm_80 here
+(``make test-cuda-compile``: registers, spills, ``cp.async`` per launch). An earlier version, whose
+K/V loads sat under a data-dependent branch, ran on one H100 (``tests/gpu/test_gpu_kernels.py``;
+timings by ``benchmarks/ops/bench_triton_gpu.py``, docs/results.md); **this version is untested
+on a GPU**. Not run inside vLLM on a GPU.
 """
 
 from __future__ import annotations
@@ -152,7 +155,8 @@ def _attend_kv(
 
     Tile ``t`` holds the keys of padded index ``t * BLOCK_N + n``: part of one block when
     ``BLOCK_N <= B``, several whole blocks otherwise, so the tile size does not depend on ``B``.
-    Tiles without a real key are skipped (packed tables have entries with short valid ranges).
+    A tile without a real key (a short run of a packed table's entry) is masked, not branched
+    around, so the loads stay asynchronous and pipelined.
     """
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, D_P)
@@ -167,27 +171,27 @@ def _attend_kv(
         v_start = tl.load(valid_start_ptr + meta_row + j, mask=in_seq, other=0)
         v_end = tl.load(valid_end_ptr + meta_row + j, mask=in_seq, other=0)
         real = in_seq & (slot >= v_start) & (slot < v_end)
-        # Skip a tile with no real key (a short run of a packed table's entry): no loads, no
-        # dots. The decode path gets the same skip, so it stays one pass over the real keys.
-        if tl.max(real.to(tl.int32), 0) > 0:
-            k_rows = k_ptr + blk * stride_kb + slot.to(tl.int64) * stride_ks + k_off
-            k1, k2 = _load_halves(
-                k_rows, first + slot - v_start, real, cos_sin_ptr, stride_cs,
-                HALF, HALF_P, IS_NEOX, APPLY_ROPE,
-            )  # fmt: skip
-            s = half_scores(q1, q2, k1, k2, DOT_FP32)
-            allowed = real[None, :] & (idx[None, :] <= q_idx[:, None])
-            p, alpha, m_new, l_i = softmax_step(s, allowed, m_i, l_i)
-            # Pad slots may hold anything (uninitialised blocks): never load them, 0 * NaN is NaN.
-            v_rows = v_ptr + blk * stride_vb + slot.to(tl.int64) * stride_vs + v_off
-            v_mask = real[:, None] & (d < D)[None, :]
-            v = tl.load(v_rows[:, None] + d[None, :], mask=v_mask, other=0.0)
-            acc = acc * alpha[:, None]
-            if DOT_FP32:
-                acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        # No branch on ``real`` around the loads: a data-dependent ``if`` there kept every K/V
+        # load from being pipelined (0 cp.async in every launch; docs/results.md). A tile with
+        # no real key loads nothing (all lanes masked) and adds p = 0, alpha = 1.
+        k_rows = k_ptr + blk * stride_kb + slot.to(tl.int64) * stride_ks + k_off
+        k1, k2 = _load_halves(
+            k_rows, first + slot - v_start, real, cos_sin_ptr, stride_cs,
+            HALF, HALF_P, IS_NEOX, APPLY_ROPE,
+        )  # fmt: skip
+        s = half_scores(q1, q2, k1, k2, DOT_FP32)
+        allowed = real[None, :] & (idx[None, :] <= q_idx[:, None])
+        p, alpha, m_new, l_i = softmax_step(s, allowed, m_i, l_i)
+        # Pad slots may hold anything (uninitialised blocks): never load them, 0 * NaN is NaN.
+        v_rows = v_ptr + blk * stride_vb + slot.to(tl.int64) * stride_vs + v_off
+        v_mask = real[:, None] & (d < D)[None, :]
+        v = tl.load(v_rows[:, None] + d[None, :], mask=v_mask, other=0.0)
+        acc = acc * alpha[:, None]
+        if DOT_FP32:
+            acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
     return m_i, l_i, acc
 
 
@@ -381,7 +385,9 @@ class Launch:
 
 def launch_config(decode: bool, block_size: int, max_query_len: int) -> Launch:
     """Default tiles and launch for a call, chosen by ``bench_triton_gpu.py --sweep`` on an H100
-    (bf16, 32/8 heads, head 128 only; docs/results.md).
+    (bf16, 32/8 heads, head 128 only; docs/results.md), on the kernel from before its K/V loads
+    were pipelined (a data-dependent branch kept them serial, so ``num_stages`` changed nothing
+    then): to be swept again on a GPU (issue 49).
 
     Decode: 2 warps and 3 stages, 1.31-1.36x faster than 4 warps and 2 stages at 8k-32k keys.
     Prefill: 128 x 32 tiles, 1.20-1.49x faster than 64 x 64 at 2k-32k prompts where a tile is part
