@@ -383,7 +383,9 @@ class Launch:
     num_stages: int
 
 
-def launch_config(decode: bool, block_size: int, max_query_len: int) -> Launch:
+def launch_config(
+    decode: bool, block_size: int, max_query_len: int, head_size: int = 128
+) -> Launch:
     """Default tiles and launch for a call, chosen by ``bench_triton_gpu.py --sweep`` on an H100
     (bf16, 32/8 heads, head 128 only; docs/results.md), on the kernel from before its K/V loads
     were pipelined (a data-dependent branch kept them serial, so ``num_stages`` changed nothing
@@ -394,14 +396,19 @@ def launch_config(decode: bool, block_size: int, max_query_len: int) -> Launch:
     of a block (block size >= 64); at block size 16 they were not better (0.93x at 2k), and MEPIC's
     few recomputed rows per chunk would waste most of a 128-row tile, so 64 x 64 stays there. The
     interpreter's cost is per tile, not per key, so it takes 128-key tiles.
+
+    Prefill with heads padded to 128 columns or more takes 8 warps: with 4, every such tile
+    spilled once its loads were pipelined (4-412 bytes on sm_90a / sm_80; with 8 none do,
+    ``make test-cuda-compile``). Chosen by the compiler's report, not yet timed on a GPU.
     """
     if INTERPRETED:
         return Launch(64, 128, 4, 2)
     if decode:
         return Launch(64, 64, 2, 3)
+    warps = 8 if pow2_at_least(head_size, 16) >= 128 else 4
     if block_size >= 64 and max_query_len >= 1024:
-        return Launch(128, 32, 4, 2)
-    return Launch(64, 64, 4, 2)
+        return Launch(128, 32, warps, 2)
+    return Launch(64, 64, warps, 2)
 
 
 def prefill_tiles(
@@ -550,7 +557,7 @@ def plan_launches(
         raise ValueError("block_tables and the per-block metadata must have one shape")
 
     decode = kernel == "decode" or (kernel is None and meta.max_query_len <= 1)
-    cfg = launch_config(decode, bs, meta.max_query_len)
+    cfg = launch_config(decode, bs, meta.max_query_len, d)
     block_m = block_m or cfg.block_m
     block_n = block_n or cfg.block_n
     num_warps = num_warps or cfg.num_warps

@@ -24,6 +24,7 @@ SLOW_FILES = (
     "test_data_streams.py",  # ~65 s
     "test_cpu_kernel_amx_emulated.py",  # a kernel build, ~60 s
     "test_triton.py",  # ~60 s
+    "test_cuda_compile.py",  # 40 launches compiled for sm_90a / sm_80, ~60 s
     "test_bench_fidelity.py",  # ~45 s
     "test_cpu_kernel_guard.py",  # a kernel build, ~35 s
     "test_prepare.py",
