@@ -13,10 +13,10 @@ import pytest
 from ascend_mepic.core.segments import Segment, SegmentKind
 from ascend_mepic.eval.sim import calibrate, workloads
 from ascend_mepic.eval.sim.cost import FEATURES, ModelShape, StepWork, step_seconds
-from ascend_mepic.eval.sim.engine import StepNoise
 from ascend_mepic.eval.sim.profile import (
     PROFILE_DIR,
     DeviceProfile,
+    StepNoise,
     available_profiles,
     load_profile,
 )
@@ -228,7 +228,7 @@ def test_a_pool_too_small_for_the_load_preempts_and_still_serves_everything():
                     noise=StepNoise(scale=2.0))  # fmt: skip
     assert [u for _, u in slow["kv_scheduled"]] == [u for _, u in raw["kv_scheduled"]]
     assert slow["makespan_s"] == pytest.approx(2 * raw["makespan_s"])
-    clock, again = StepClock(sigma=0.2, seed=5), StepClock(sigma=0.2, seed=5)
+    clock, again = (StepClock(StepNoise(sigma=0.2, seed=5)) for _ in range(2))
     draws = [clock(1.0) for _ in range(50)]
     assert draws == [again(1.0) for _ in range(50)] and min(draws) < 0.9 < 1.1 < max(draws)
     with pytest.raises(ValueError, match="scale > 0"):

@@ -23,27 +23,12 @@ from typing import Any
 
 from ascend_mepic.core.segments import EXTRA_ARGS_KEY, Segment
 from ascend_mepic.entrypoints.streams import log
-from ascend_mepic.eval.sim.profile import DeviceProfile
+from ascend_mepic.eval.sim.profile import DeviceProfile, StepNoise
 from ascend_mepic.vllm_integration.class_names import SIM_WORKER_CLS
 
 MODELS_DIR = Path(__file__).parent / "models"
 MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 MAX_IDLE_STEPS = 10_000  # steps in a row that schedule nothing before the run is declared stuck
-
-
-@dataclass(frozen=True)
-class StepNoise:
-    """Step times as a real device gives them: every priced step is multiplied by ``scale``
-    (the run is that much slower) and by a log-normal factor of spread ``sigma`` drawn from a
-    generator seeded with ``seed`` (step-to-step noise), so a replay is repeatable."""
-
-    scale: float = 1.0
-    sigma: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.scale <= 0 or self.sigma < 0:
-            raise ValueError(f"step noise needs scale > 0 and sigma >= 0, got {self}")
 
 
 @dataclass

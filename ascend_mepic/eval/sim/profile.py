@@ -90,6 +90,21 @@ class DeviceProfile:
         return json.dumps(asdict(self), indent=1) + "\n"
 
 
+@dataclass(frozen=True)
+class StepNoise:
+    """Step times as a real device gives them: every priced step is multiplied by ``scale``
+    (the run is that much slower) and by a log-normal factor of spread ``sigma`` drawn from a
+    generator seeded with ``seed`` (step-to-step noise), so a replay is repeatable."""
+
+    scale: float = 1.0
+    sigma: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scale <= 0 or self.sigma < 0:
+            raise ValueError(f"step noise needs scale > 0 and sigma >= 0, got {self}")
+
+
 def available_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 

@@ -27,6 +27,11 @@ from ascend_mepic.entrypoints.streams import log
 VALIDATION_POLICIES = ["full", "prefix", "naive", "epic-16", "cacheblend-15", "mepic"]
 PEAK_KV_TOLERANCE = 0.05
 TIME_TOLERANCE = 0.25
+TOLERANCES = {  # summary() key -> largest relative error the validation accepts
+    "peak_kv_blocks": PEAK_KV_TOLERANCE,
+    "ttft_mean_s": TIME_TOLERANCE,
+    "latency_mean_s": TIME_TOLERANCE,
+}
 
 
 def real_job(model: str, policy: str, qps: float, args: Any) -> dict[str, Any]:
@@ -118,7 +123,7 @@ def noise_band(
     """How far the replay of ``raw`` moves on a device 10% slower or faster than ``profile``,
     and with step-to-step spread ``sigma`` (log-normal): per metric, [lowest, highest] relative
     change from the plain replay."""
-    from ascend_mepic.eval.sim.engine import StepNoise
+    from ascend_mepic.eval.sim.profile import StepNoise
 
     noises = [
         StepNoise(scale=0.9, sigma=sigma, seed=1),
@@ -128,7 +133,7 @@ def noise_band(
     base = base or summary(replay(raw, requests, profile, model))
     runs = [summary(replay(raw, requests, profile, model, n)) for n in noises]
     band = {}
-    for key in ("peak_kv_blocks", "ttft_mean_s", "latency_mean_s"):
+    for key in TOLERANCES:
         moved = [(r[key] - base[key]) / base[key] if base[key] else 0.0 for r in runs]
         band[key] = [min(0.0, *moved), max(0.0, *moved)]
     return band
@@ -136,12 +141,7 @@ def noise_band(
 
 def band_fits(band: dict[str, list[float]]) -> bool:
     """Whether every metric's noise band is inside its tolerance (the check means something)."""
-    tol = {
-        "peak_kv_blocks": PEAK_KV_TOLERANCE,
-        "ttft_mean_s": TIME_TOLERANCE,
-        "latency_mean_s": TIME_TOLERANCE,
-    }
-    return all(max(-lo, hi) <= tol[k] for k, (lo, hi) in band.items())
+    return all(max(-lo, hi) <= TOLERANCES[k] for k, (lo, hi) in band.items())
 
 
 def compare(real: dict[str, float], sim: dict[str, float]) -> dict[str, Any]:
@@ -153,9 +153,5 @@ def compare(real: dict[str, float], sim: dict[str, float]) -> dict[str, Any]:
         "ttft_error": err("ttft_mean_s"),
         "latency_error": err("latency_mean_s"),
     }
-    row["ok"] = (
-        abs(row["peak_kv_error"]) <= PEAK_KV_TOLERANCE
-        and abs(row["ttft_error"]) <= TIME_TOLERANCE
-        and abs(row["latency_error"]) <= TIME_TOLERANCE
-    )
+    row["ok"] = all(abs(err(key)) <= tol for key, tol in TOLERANCES.items())
     return row

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ascend_mepic.eval.sim.cost import ModelShape, StepTracker, StepWork, step_seconds
-from ascend_mepic.eval.sim.profile import DeviceProfile
+from ascend_mepic.eval.sim.profile import DeviceProfile, StepNoise
 from ascend_mepic.vllm_integration.core_types import FullAttentionSpec
 from ascend_mepic.vllm_integration.engine_core import (
     CompilationTimes,
@@ -36,14 +36,15 @@ GiB = 1 << 30
 class StepClock:
     """Turns a priced step into the step time the simulation advances by (``StepNoise``)."""
 
-    def __init__(self, scale: float = 1.0, sigma: float = 0.0, seed: int = 0) -> None:
-        self.scale, self.sigma = scale, sigma
-        self.rng = np.random.default_rng(seed)
+    def __init__(self, noise: StepNoise) -> None:
+        self.noise = noise
+        self.rng = np.random.default_rng(noise.seed)
 
     def __call__(self, priced_s: float) -> float:
-        if self.sigma:
-            return priced_s * self.scale * float(self.rng.lognormal(0.0, self.sigma))
-        return priced_s * self.scale
+        n = self.noise
+        if n.sigma:
+            return priced_s * n.scale * float(self.rng.lognormal(0.0, n.sigma))
+        return priced_s * n.scale
 
 
 def sim_settings(vllm_config: Any) -> tuple[DeviceProfile, ModelShape, int]:
@@ -65,7 +66,7 @@ class SimulatedWorker(WorkerBase):
         super().__init__(*args, **kwargs)
         self.profile, self.shape, self.token_id = sim_settings(self.vllm_config)
         noise = (self.vllm_config.additional_config or {})[SIM_KEY].get("noise") or {}
-        self.clock = StepClock(**noise)
+        self.clock = StepClock(StepNoise(**noise))
         self.tracker = StepTracker(self.shape.layers)
         self.last_work = StepWork()
         self.last_step_s = 0.0
