@@ -18,15 +18,19 @@ Kernels (KV is walked in tiles of ``BLOCK_N`` padded key indices, 64 on a GPU: p
 when ``B >= BLOCK_N``, several blocks gathered through the block table when ``B < BLOCK_N``, so
 block size 16 still gets 64-wide dots; any ``B`` works):
 
-* prefill: grid ``(query tiles, Hq)``; a tile is up to ``BLOCK_M`` (64) consecutive queries of one
-  sequence (``prefill_tiles``: a host map from ``query_start_loc``, heaviest tiles first). It loops
-  over the sequence's KV tiles only up to the one holding its largest padded query index (causal
-  skipping), with a flash-style online softmax in fp32. GQA: KV head ``head // (Hq // Hkv)``.
+* prefill: grid ``(query tiles, Hkv)``; a tile's ``BLOCK_M`` rows are ``BLOCK_M // GROUP``
+  consecutive queries of one sequence times the ``GROUP = Hq // Hkv`` query heads of one KV head
+  (``prefill_tiles``: a host map from ``query_start_loc``, heaviest tiles first), so each K/V tile
+  is loaded and rotated once per KV head, for all the query heads that read it. It loops over the
+  sequence's KV tiles only up to the one holding its largest padded query index (causal
+  skipping), with a flash-style online softmax in fp32; the tiles wholly before its smallest
+  padded index run a second copy of the loop without the causal compare.
 * decode (``max_query_len <= 1``): grid ``(sequences, Hkv, splits)``; the rows of a tile are the
   query heads sharing one KV head (GQA group padded to >= 16 rows for ``tl.dot``), so each K/V
   tile is read once per KV head. With more than one split, each split covers a range of KV tiles
   and a combine kernel merges the partial results by log-sum-exp (flash-decoding), to fill the GPU
-  when the batch is small and the context long (splits are chosen from the SM count).
+  when the batch is small and the context long (splits are chosen from the SM count). Only the
+  tile holding the query's own padded index takes the causal compare.
 
 The score is computed on the rotated halves without re-interleaving them:
 ``q.k = q1.k1 + q2.k2`` where ``(x1, x2)`` are the two rotated half-tiles (neox: the halves;
@@ -150,13 +154,16 @@ def _attend_kv(
     IS_NEOX: tl.constexpr,
     APPLY_ROPE: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
     """Online softmax of pre-scaled, rotated queries over KV tiles ``[tile_lo, tile_hi)``.
 
     Tile ``t`` holds the keys of padded index ``t * BLOCK_N + n``: part of one block when
     ``BLOCK_N <= B``, several whole blocks otherwise, so the tile size does not depend on ``B``.
     A tile without a real key (a short run of a packed table's entry) is masked, not branched
-    around, so the loads stay asynchronous and pipelined.
+    around, so the loads stay asynchronous and pipelined. ``CAUSAL=False`` is for tiles wholly
+    before every row's padded index (the caller splits the range at the diagonal): only the
+    real-key mask is applied there, not the per-row causal compare.
     """
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, D_P)
@@ -180,7 +187,10 @@ def _attend_kv(
             HALF, HALF_P, IS_NEOX, APPLY_ROPE,
         )  # fmt: skip
         s = half_scores(q1, q2, k1, k2, DOT_FP32)
-        allowed = real[None, :] & (idx[None, :] <= q_idx[:, None])
+        if CAUSAL:
+            allowed = real[None, :] & (idx[None, :] <= q_idx[:, None])
+        else:
+            allowed = real[None, :]
         p, alpha, m_new, l_i = softmax_step(s, allowed, m_i, l_i)
         # Pad slots may hold anything (uninitialised blocks): never load them, 0 * NaN is NaN.
         v_rows = v_ptr + blk * stride_vb + slot.to(tl.int64) * stride_vs + v_off
@@ -237,17 +247,21 @@ def _prefill_kernel(
     APPLY_ROPE: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """One tile of ``BLOCK_M`` queries of one sequence, one query head."""
+    """``BLOCK_M`` rows of one sequence: ``BLOCK_M // GROUP`` consecutive queries times the
+    ``GROUP`` query heads of one KV head (query-major), so each K/V tile is loaded and rotated
+    once for every query head that reads it, not once per head."""
     tile = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
     row0 = tl.load(tile_row_ptr + tile)
     row_end = tl.load(query_start_loc_ptr + seq + 1)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
+    r = tl.arange(0, BLOCK_M)
+    rows = row0 + r // GROUP
+    heads = kv_head * GROUP + r % GROUP
+    row_mask = (r < (BLOCK_M // GROUP) * GROUP) & (rows < row_end)
     pos = tl.load(query_pos_ptr + rows, mask=row_mask, other=0)
     q_idx = tl.load(query_idx_ptr + rows, mask=row_mask, other=-1)
-    q_rows = q_ptr + rows.to(tl.int64) * stride_qt + head * stride_qh
+    q_rows = q_ptr + rows.to(tl.int64) * stride_qt + heads * stride_qh
     q1, q2 = _load_halves(
         q_rows, pos, row_mask, cos_sin_ptr, stride_cs, HALF, HALF_P, IS_NEOX, APPLY_ROPE
     )
@@ -259,19 +273,31 @@ def _prefill_kernel(
 
     nb = tl.load(num_blocks_ptr + seq)
     num_tiles = tl.minimum(tl.cdiv(nb * B, BLOCK_N), tl.max(q_idx, 0) // BLOCK_N + 1)
+    # Tiles wholly at or before the tile's smallest padded index need no causal compare.
+    lowest = tl.min(tl.where(row_mask, q_idx, 2147483647), 0)
+    free = tl.minimum((lowest + 1) // BLOCK_N, num_tiles)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
+    k_off = kv_head * stride_kh
+    v_off = kv_head * stride_vh
     m_i, l_i, acc = _attend_kv(
-        q1, q2, q_idx, m_i, l_i, acc, seq, nb, 0, num_tiles,
-        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
-        (head // GROUP) * stride_kh, (head // GROUP) * stride_vh,
+        q1, q2, q_idx, m_i, l_i, acc, seq, nb, 0, free,
+        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, k_off, v_off,
         block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
         cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
+        False,
+    )  # fmt: skip
+    m_i, l_i, acc = _attend_kv(
+        q1, q2, q_idx, m_i, l_i, acc, seq, nb, free, num_tiles,
+        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, k_off, v_off,
+        block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
+        cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
+        True,
     )  # fmt: skip
     out = normalize(acc, l_i)
     d = tl.arange(0, D_P)
-    o_rows = out_ptr + rows.to(tl.int64) * stride_ot + head * stride_oh
+    o_rows = out_ptr + rows.to(tl.int64) * stride_ot + heads * stride_oh
     tl.store(
         o_rows[:, None] + d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -355,12 +381,23 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D_P], tl.float32)
+    # Every tile but the one holding the query's own padded index is wholly before it.
+    free = tl.minimum(tl.maximum((tl.max(q_idx, 0) + 1) // BLOCK_N, tile_lo), tile_hi)
+    k_off = kv_head * stride_kh
+    v_off = kv_head * stride_vh
     m_i, l_i, acc = _attend_kv(
-        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tile_lo, tile_hi,
-        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
-        kv_head * stride_kh, kv_head * stride_vh,
+        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tile_lo, free,
+        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, k_off, v_off,
         block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
         cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
+        False,
+    )  # fmt: skip
+    m_i, l_i, acc = _attend_kv(
+        q1, q2, q_idx, m_i, l_i, acc, seq, nb, free, tile_hi,
+        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, k_off, v_off,
+        block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
+        cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
+        True,
     )  # fmt: skip
     out = normalize(acc, l_i)
     d = tl.arange(0, D_P)
@@ -411,21 +448,32 @@ def launch_config(
     return Launch(64, 64, warps, 2)
 
 
+def prefill_queries_per_tile(block_m: int, group: int) -> int:
+    """Queries in a prefill tile of ``block_m`` rows when each query brings its ``group`` query
+    heads (the rows of one KV head): ``block_m // group``; ``block_m >= group``."""
+    if block_m < group:
+        raise ValueError(f"a {block_m}-row tile cannot hold a GQA group of {group} heads")
+    return block_m // group
+
+
 def prefill_tiles(
-    query_start_loc: torch.Tensor, block_m: int = 64, device: torch.device | str | None = None
+    query_start_loc: torch.Tensor,
+    queries_per_tile: int = 16,
+    device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefill grid's map tile -> (sequence, first query row), heaviest (last) tiles first.
 
-    Built on the host (it sets the grid size). From a device ``query_start_loc`` this syncs, so a
-    runner should build it once per step from its CPU copy and pass it to every layer's call.
+    ``queries_per_tile`` is ``prefill_queries_per_tile(block_m, group)``. Built on the host (it
+    sets the grid size). From a device ``query_start_loc`` this syncs, so a runner should build
+    it once per step from its CPU copy and pass it to every layer's call.
     """
     loc = query_start_loc.to("cpu", torch.int64)
     counts = loc[1:] - loc[:-1]
-    per_seq = (counts + block_m - 1) // block_m
+    per_seq = (counts + queries_per_tile - 1) // queries_per_tile
     seqs = torch.repeat_interleave(torch.arange(counts.numel()), per_seq)
     first_tile = torch.cumsum(per_seq, 0) - per_seq
     within = torch.arange(seqs.numel()) - first_tile[seqs]
-    rows = loc[seqs] + within * block_m
+    rows = loc[seqs] + within * queries_per_tile
     target = query_start_loc.device if device is None else device
     return seqs.flip(0).to(target, torch.int32), rows.flip(0).to(target, torch.int32)
 
@@ -523,8 +571,10 @@ def plan_launches(
     compile check plans the shipped launches from CPU tensors).
 
     ``kernel`` forces ``"prefill"`` or ``"decode"`` (default: decode when
-    ``meta.max_query_len <= 1``, trusted as given). ``tiles`` is ``prefill_tiles(loc, block_m)``
-    precomputed with the same ``block_m`` (else built here once per ``meta``, a host sync).
+    ``meta.max_query_len <= 1``, trusted as given). ``tiles`` is ``prefill_tiles(loc,
+    prefill_queries_per_tile(block_m, Hq // Hkv))`` precomputed with the same ``block_m`` (else
+    built here once per ``meta``, a host sync). A prefill tile's ``block_m`` rows are queries
+    times the GQA group's heads; it is raised to the group size if smaller.
     ``apply_rope=False`` skips all rotation; ``block_m``/``block_n``/``num_splits`` override tile
     sizes and decode splits, ``num_warps``/``num_stages`` the main kernel's launch (benchmarks,
     ``bench_triton_gpu.py --sweep``, and tests). ``half_dots`` (tests) forces the dots of
@@ -615,15 +665,17 @@ def plan_launches(
 
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m {block_m} must be a power of two >= 16")
+    block_m = max(block_m, pow2_at_least(group, 16))  # a tile holds at least one query
+    per_tile = prefill_queries_per_tile(block_m, group)
     if tiles is None:  # built once per step (it syncs): every layer shares ``meta``
-        key = ("triton-prefill-tiles", block_m, device)
+        key = ("triton-prefill-tiles", per_tile, device)
         tiles = meta.memo.get(key)
         if tiles is None:
-            tiles = meta.memo[key] = prefill_tiles(meta.query_start_loc, block_m, device)
+            tiles = meta.memo[key] = prefill_tiles(meta.query_start_loc, per_tile, device)
     tile_seq, tile_row = (int32(x, device) for x in tiles)
     launch = KernelLaunch(
         _prefill_kernel,
-        (tile_seq.numel(), hq),
+        (tile_seq.numel(), hkv),
         (query, out, k, v, cos_sin, tile_seq, tile_row, *metas, *strides, qk_scale),
         dict(GROUP=group, BLOCK_M=block_m, **common, num_warps=num_warps, num_stages=num_stages),
     )

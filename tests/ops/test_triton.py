@@ -42,9 +42,10 @@ interpreted = pytest.mark.skipif(
 )
 
 
-# The interpreter runs every program in Python: prefill cost grows with Hq, decode with Hkv, so
-# prefill draws few query heads and decode the large GQA groups (8, 16 rows padded to >= 16).
-prefill_heads = st.sampled_from([(2, 2), (4, 2), (3, 1), (4, 1)])
+# The interpreter runs every program in Python and both kernels pack a KV head's GQA group into
+# the rows of a tile, so cost grows with Hkv: both draw groups of 1 to 16 (3 and 6: not powers
+# of two; a prefill tile holds block_m // group queries).
+prefill_heads = st.sampled_from([(2, 2), (4, 2), (3, 1), (4, 1), (8, 1), (12, 2)])
 decode_heads = st.sampled_from([(4, 4), (8, 2), (6, 3), (8, 1), (16, 1)])
 # KV tiles may be smaller than a block, a block, or gather several blocks (24: not a power of 2).
 block_sizes = st.sampled_from([16, 32, 128, 24])
@@ -173,9 +174,16 @@ def test_sequences_without_queries_are_skipped(decode, seq):
 
 
 @interpreted
+def test_prefill_group_larger_than_block_m():
+    """A 32-head GQA group in a 16-row tile: the tile grows to one query's 32 rows."""
+    b = random_batch(6, 16, 32, 1, max_segment=MAX_SEGMENT)
+    check(run(b, kernel="prefill", block_m=16), b, 1e-5)
+
+
+@interpreted
 def test_precomputed_prefill_tiles():
     b = random_batch(4, 16, 4, 2, max_segment=MAX_SEGMENT)
-    tiles = tri.prefill_tiles(b.meta.query_start_loc, 16)
+    tiles = tri.prefill_tiles(b.meta.query_start_loc, tri.prefill_queries_per_tile(16, 2))
     check(run(b, block_m=16, tiles=tiles), b, 1e-5)
 
 
