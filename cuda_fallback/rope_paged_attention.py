@@ -128,6 +128,7 @@ def _attend_kv(
     acc,
     seq,
     nb,
+    tiles_row,
     tile_lo,
     tile_hi,
     k_ptr,
@@ -156,19 +157,22 @@ def _attend_kv(
     DOT_FP32: tl.constexpr,
     CAUSAL: tl.constexpr,
 ):
-    """Online softmax of pre-scaled, rotated queries over KV tiles ``[tile_lo, tile_hi)``.
+    """Online softmax of pre-scaled, rotated queries over the KV tiles listed at
+    ``tiles_row[tile_lo:tile_hi]`` (``kv_tile_list``: the sequence's tiles that hold a real key,
+    ascending, so tiles of padding in a packed table are never visited).
 
     Tile ``t`` holds the keys of padded index ``t * BLOCK_N + n``: part of one block when
     ``BLOCK_N <= B``, several whole blocks otherwise, so the tile size does not depend on ``B``.
-    A tile without a real key (a short run of a packed table's entry) is masked, not branched
-    around, so the loads stay asynchronous and pipelined. ``CAUSAL=False`` is for tiles wholly
+    Within a tile, slots that are not real keys are masked, not branched around, so the loads
+    stay asynchronous and pipelined. ``CAUSAL=False`` is for tiles wholly
     before every row's padded index (the caller splits the range at the diagonal): only the
     real-key mask is applied there, not the per-row causal compare.
     """
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, D_P)
     meta_row = seq.to(tl.int64) * stride_bt
-    for t in range(tile_lo, tile_hi):
+    for i in range(tile_lo, tile_hi):
+        t = tl.load(tiles_row + i)
         idx = t * BLOCK_N + n
         j = idx // B
         slot = idx % B
@@ -222,6 +226,8 @@ def _prefill_kernel(
     first_pos_ptr,
     valid_start_ptr,
     valid_end_ptr,
+    kv_tiles_ptr,
+    kv_rank_ptr,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -234,6 +240,7 @@ def _prefill_kernel(
     stride_vh,
     stride_bt,
     stride_cs,
+    stride_kt,
     qk_scale,
     GROUP: tl.constexpr,
     B: tl.constexpr,
@@ -276,20 +283,25 @@ def _prefill_kernel(
     # Tiles wholly at or before the tile's smallest padded index need no causal compare.
     lowest = tl.min(tl.where(row_mask, q_idx, 2147483647), 0)
     free = tl.minimum((lowest + 1) // BLOCK_N, num_tiles)
+    # Tile numbers -> positions in the sequence's list of tiles holding a real key.
+    tiles_row = kv_tiles_ptr + seq.to(tl.int64) * stride_kt
+    rank_row = kv_rank_ptr + seq.to(tl.int64) * (stride_kt + 1)
+    free = tl.load(rank_row + free)
+    num_tiles = tl.load(rank_row + num_tiles)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
     k_off = kv_head * stride_kh
     v_off = kv_head * stride_vh
     m_i, l_i, acc = _attend_kv(
-        q1, q2, q_idx, m_i, l_i, acc, seq, nb, 0, free,
+        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tiles_row, 0, free,
         k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, k_off, v_off,
         block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
         cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
         False,
     )  # fmt: skip
     m_i, l_i, acc = _attend_kv(
-        q1, q2, q_idx, m_i, l_i, acc, seq, nb, free, num_tiles,
+        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tiles_row, free, num_tiles,
         k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, k_off, v_off,
         block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
         cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
@@ -322,6 +334,8 @@ def _decode_kernel(
     first_pos_ptr,
     valid_start_ptr,
     valid_end_ptr,
+    kv_tiles_ptr,
+    kv_rank_ptr,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -334,6 +348,7 @@ def _decode_kernel(
     stride_vh,
     stride_bt,
     stride_cs,
+    stride_kt,
     qk_scale,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -375,25 +390,30 @@ def _decode_kernel(
     nb = tl.load(num_blocks_ptr + seq)
     num_tiles = tl.minimum(tl.cdiv(nb * B, BLOCK_N), tl.max(q_idx, 0) // BLOCK_N + 1)
     num_tiles = tl.where(count > 0, num_tiles, 0)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    # Splits share out the listed tiles (those holding a real key), not the tile numbers.
+    tiles_row = kv_tiles_ptr + seq.to(tl.int64) * stride_kt
+    rank_row = kv_rank_ptr + seq.to(tl.int64) * (stride_kt + 1)
+    listed = tl.load(rank_row + num_tiles)
+    per_split = tl.cdiv(listed, NUM_SPLITS)
     tile_lo = split * per_split
-    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    tile_hi = tl.minimum(tile_lo + per_split, listed)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D_P], tl.float32)
     # Every tile but the one holding the query's own padded index is wholly before it.
-    free = tl.minimum(tl.maximum((tl.max(q_idx, 0) + 1) // BLOCK_N, tile_lo), tile_hi)
+    free = tl.load(rank_row + tl.minimum((tl.max(q_idx, 0) + 1) // BLOCK_N, num_tiles))
+    free = tl.minimum(tl.maximum(free, tile_lo), tile_hi)
     k_off = kv_head * stride_kh
     v_off = kv_head * stride_vh
     m_i, l_i, acc = _attend_kv(
-        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tile_lo, free,
+        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tiles_row, tile_lo, free,
         k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, k_off, v_off,
         block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
         cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
         False,
     )  # fmt: skip
     m_i, l_i, acc = _attend_kv(
-        q1, q2, q_idx, m_i, l_i, acc, seq, nb, free, tile_hi,
+        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tiles_row, free, tile_hi,
         k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, k_off, v_off,
         block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
         cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
@@ -476,6 +496,42 @@ def prefill_tiles(
     rows = loc[seqs] + within * queries_per_tile
     target = query_start_loc.device if device is None else device
     return seqs.flip(0).to(target, torch.int32), rows.flip(0).to(target, torch.int32)
+
+
+def kv_tile_list(
+    num_blocks: torch.Tensor,
+    valid_start: torch.Tensor,
+    valid_end: torch.Tensor,
+    block_size: int,
+    block_n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence, its ``BLOCK_N``-key tiles that hold at least one real key.
+
+    Returns ``tiles [S, T]`` (the tile numbers, ascending, then padding) and ``rank [S, T + 1]``
+    (``rank[s, t]``: how many listed tiles come before tile ``t``), with
+    ``T = ceil(max_blocks * B / BLOCK_N)``. The kernels turn a range of tile numbers (causal
+    bound, diagonal) into a range of list positions through ``rank`` and visit only listed
+    tiles: in a packed table a chunk's last block is often mostly padding, and at block size
+    128 whole tiles of it hold no key. Device tensor ops only (no host sync), built once per
+    step and tile width and shared by every layer.
+    """
+    s, mb = valid_start.shape
+    device = valid_start.device
+    slot = torch.arange(block_size, device=device, dtype=torch.int32)
+    in_seq = torch.arange(mb, device=device)[None, :] < num_blocks.to(device)[:, None]
+    real = (
+        (slot >= valid_start[..., None]) & (slot < valid_end[..., None]) & in_seq[..., None]
+    ).reshape(s, mb * block_size)
+    t = max(1, triton.cdiv(mb * block_size, block_n))
+    real = torch.nn.functional.pad(real, (0, t * block_n - mb * block_size))
+    listed = real.reshape(s, t, block_n).any(-1)
+    rank = torch.zeros(s, t + 1, dtype=torch.int32, device=device)
+    rank[:, 1:] = torch.cumsum(listed, 1)
+    tiles = torch.zeros(s, t + 1, dtype=torch.int32, device=device)  # last column: a sink
+    where = torch.where(listed, rank[:, :-1].long(), t)
+    numbers = torch.arange(t, device=device, dtype=torch.int32).expand(s, t)
+    tiles.scatter_(1, where, numbers)
+    return tiles[:, :t].contiguous(), rank
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -627,10 +683,14 @@ def plan_launches(
         DOT_FP32=torch.float32 in (query.dtype, kv_cache.dtype)
         or (INTERPRETED if half_dots is None else not half_dots),
     )
-    strides = launch_strides(query, out, k, v, tables, cos_sin)
+    key = ("triton-kv-tiles", bs, block_n, device)
+    kv_tiles = meta.memo.get(key)
+    if kv_tiles is None:  # once per step and tile width: every layer shares ``meta``
+        kv_tiles = meta.memo[key] = kv_tile_list(nblocks, vstart, vend, bs, block_n)
+    strides = (*launch_strides(query, out, k, v, tables, cos_sin), kv_tiles[0].stride(0))
     qk_scale = float(scale) * LOG2E
     group = hq // hkv
-    metas = (loc, q_pos, q_idx, tables, nblocks, first, vstart, vend)
+    metas = (loc, q_pos, q_idx, tables, nblocks, first, vstart, vend, *kv_tiles)
 
     if kernel == "decode" and meta.max_query_len > 1:
         raise ValueError(
