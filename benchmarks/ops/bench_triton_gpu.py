@@ -18,8 +18,26 @@ calls, then the median of ``repeat`` calls timed with ``torch.cuda.Event``; the 
 (a 256 MiB write) before each timed call unless ``--no-flush``. Prefill's tile map is built once
 outside the timed calls (kept with the metadata), as in serving once per step. Decode reports
 achieved bandwidth: bytes of K and V read (``batch * context * Hkv * D * 2 * itemsize``) over
-time, as a fraction of ``--peak-gbps`` (default: H100 SXM, 3350 GB/s). Nothing about time is
+time, as a fraction of ``--peak-gbps`` (default from the card's name: H200 4800 GB/s, H100 SXM
+3350; else 3350). Nothing about time is
 asserted. Calls of ~0.1 ms include the wrapper's host work (the GPU waits for the launch).
+
+Beside them, on the same card and in the same run (issue 49):
+
+(d) ``old``: the kernels from before issue 49 (``legacy_kernel.py``, the ones first timed on an
+    H100), so every row is old against new on one GPU;
+(e) prefill: ``rotate``, the cost of rotating the sequences' K once into a contiguous scratch
+    buffer (gathered from the pages, torch ops), and ``scratch/SDPA = (rotate + SDPA) / SDPA``:
+    what stock vLLM's way (rotated K, then a flash kernel) would cost MEPIC for a long contiguous
+    run, against the fused kernel's ``fused/SDPA``;
+(f) decode: FlashInfer's batch decode with ``pos_encoding_mode="ROPE_LLAMA"`` (RoPE applied to
+    Q and K inside the kernel, like ours) when ``flashinfer`` imports: the reference for what
+    fused RoPE costs on this card. Its JIT build is timed once, before the timed calls.
+
+The targets of issue 49 (decode >= 85% of HBM peak; fused/no RoPE <= 1.05; fused/SDPA <= 1.10
+in prefill at 8k-32k keys and <= 1.05 in decode) are checked per row in ``targets``.
+``--profile`` runs each kernel of each case once inside an NVTX range instead of timing, for
+``scripts/gpu_ncu.sh`` (Nsight Compute: DRAM throughput, local-memory loads, tensor pipe).
 
 ``--sweep`` times (a) alone over tile sizes, warps and pipeline stages (``SWEEP``, or the default
 and ``--config`` ones) and ranks them by the geometric mean of their speed-up over the default;
@@ -41,6 +59,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # cuda_fallback is not installed
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # legacy_kernel.py beside this file
 
 from ascend_mepic.eval.outputs import positive  # noqa: E402
 from ascend_mepic.ops.metadata import SequenceSpec, build_metadata  # noqa: E402
@@ -66,12 +85,18 @@ class Case:
     kv_bytes: int
     flops: float
     call_args: tuple  # (query, kv_cache, meta, rope, scale): the wrapper's positional arguments
+    old: Callable[[], torch.Tensor] | None = None  # the pre-issue-49 kernel
+    rotate: Callable[[], torch.Tensor] | None = None  # prefill: K rotated once into a scratch
+    flashinfer: Callable[[], torch.Tensor] | None = None  # decode: FlashInfer ROPE_LLAMA
+    flashinfer_note: str = "-"
 
 
 def make_case(
     args: argparse.Namespace, phase: str, context: int, block_size: int, device: torch.device
 ) -> Case:
     """Random Q/K/V laid out twice: paged un-rotated (ours) and contiguous pre-rotated (SDPA)."""
+    from legacy_kernel import rope_paged_attention_triton as old_kernel
+
     from cuda_fallback.rope_paged_attention import rope_paged_attention_triton
 
     dtype = DTYPES[args.dtype]
@@ -122,6 +147,13 @@ def make_case(
     def no_rope() -> torch.Tensor:
         return rope_paged_attention_triton(query, kv_cache, meta, rope, scale, apply_rope=False)
 
+    def old() -> torch.Tensor:
+        return old_kernel(query, kv_cache, meta, rope, scale)
+
+    def rotate() -> torch.Tensor:  # stock's way for a contiguous run: rotated K in a scratch
+        k_pages = kv_cache[0, flat].reshape(batch, nb * block_size, hkv, d)[:, :context]
+        return apply_rope(k_pages.reshape(-1, hkv, d), pos.repeat(batch), rope)
+
     causal = phase == "prefill"
 
     def sdpa_gqa() -> torch.Tensor:
@@ -148,10 +180,63 @@ def make_case(
 
     kv_bytes = batch * context * hkv * d * 2 * kv_cache.element_size()
     flops = 4.0 * batch * hq * d * (context * (context + 1) / 2 if causal else context)
+    fi, fi_note = (
+        (None, "-")
+        if causal
+        else flashinfer_decode(args, query, kv_cache, ids, context, block_size, dtype)
+    )
     return Case(
         phase, context, block_size, batch, fused, no_rope, sdpa_rows, note, kv_bytes, flops,
-        (query, kv_cache, meta, rope, scale),
+        (query, kv_cache, meta, rope, scale), old, rotate if causal else None, fi, fi_note,
     )  # fmt: skip
+
+
+def flashinfer_decode(
+    args: argparse.Namespace,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    ids: torch.Tensor,
+    context: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> tuple[Callable[[], torch.Tensor] | None, str]:
+    """FlashInfer's paged batch decode with RoPE fused (``ROPE_LLAMA``: rotate-half at each
+    key's index in its sequence, as ours with neox style), on the same cache and queries; None
+    and the reason when FlashInfer is missing or refuses. Its first call JIT-builds the kernel:
+    that time is in the note, outside the timed calls."""
+    import time
+
+    try:
+        import flashinfer
+    except Exception as exc:  # not installed: the row says so
+        return None, f"not available: {type(exc).__name__}"
+    batch, nb = ids.shape
+    device = query.device
+    try:
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        wrapper.plan(
+            torch.arange(batch + 1, dtype=torch.int32, device=device) * nb,
+            ids.reshape(-1).to(device, torch.int32),
+            torch.full((batch,), context - (nb - 1) * block_size, dtype=torch.int32,
+                       device=device),
+            args.heads, args.kv_heads, args.head_size, block_size,
+            pos_encoding_mode="ROPE_LLAMA", rope_theta=args.rope_base,
+            q_data_type=dtype, kv_data_type=dtype,
+        )  # fmt: skip
+        paged = (kv_cache[0], kv_cache[1])
+
+        def call() -> torch.Tensor:
+            return wrapper.run(query, paged)
+
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        built = time.perf_counter() - start
+    except Exception as exc:  # an API or build failure: reported, not fatal
+        print(f"FlashInfer decode: {exc!r}"[:400], file=sys.stderr)
+        return None, f"failed: {type(exc).__name__}"
+    return call, f"flashinfer {getattr(flashinfer, '__version__', '?')}, first call {built:.1f} s"
 
 
 def cuda_timer(warmup: int, repeat: int, flush: bool) -> Timer:
@@ -176,17 +261,30 @@ def cuda_timer(warmup: int, repeat: int, flush: bool) -> Timer:
 
 
 def run_case(case: Case, timer: Timer, peak_gbps: float) -> dict[str, str]:
-    diff = (case.fused().float() - case.sdpa().float()).abs().max().item()
+    want = case.sdpa().float()
+    diff = (case.fused().float() - want).abs().max().item()
     what = f"{case.phase} context {case.context} B={case.block_size}"
     t_fused = positive(timer(case.fused), f"{what}: fused RoPE (ms)")
     t_plain = positive(timer(case.no_rope), f"{what}: no RoPE (ms)")
     t_sdpa = positive(timer(case.sdpa), f"{what}: SDPA (ms)")
+    t_old = None if case.old is None else positive(timer(case.old), f"{what}: old kernel (ms)")
+    t_rot = None if case.rotate is None else positive(timer(case.rotate), f"{what}: rotate (ms)")
+    t_fi, fi_diff = None, None
+    if case.flashinfer is not None:
+        fi_diff = (case.flashinfer().float() - want).abs().max().item()
+        t_fi = positive(timer(case.flashinfer), f"{what}: FlashInfer ROPE_LLAMA (ms)")
 
     def perf(ms: float) -> str:
         if case.phase == "decode":
             gbps = case.kv_bytes / (ms * 1e-3) / 1e9
             return f"{gbps:.0f} GB/s ({gbps / peak_gbps:.0%})"
         return f"{case.flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s"
+
+    def ms(t: float | None) -> str:
+        return "-" if t is None else f"{t:.3f}"
+
+    def flagged(d: float | None) -> str:
+        return "-" if d is None else f"{d:.1e}" + (" MISMATCH" if not d <= TOLERANCE else "")
 
     return {
         "phase": case.phase,
@@ -196,14 +294,57 @@ def run_case(case: Case, timer: Timer, peak_gbps: float) -> dict[str, str]:
         "fused RoPE ms": f"{t_fused:.3f}",
         "no RoPE ms": f"{t_plain:.3f}",
         "SDPA ms": f"{t_sdpa:.3f}",
+        "old ms": ms(t_old),
         "fused/no RoPE": f"{t_fused / t_plain:.2f}",
         "fused/SDPA": f"{t_fused / t_sdpa:.2f}",
+        "old/fused": "-" if t_old is None else f"{t_old / t_fused:.2f}",
+        "rotate ms": ms(t_rot),
+        "scratch/SDPA": "-" if t_rot is None else f"{(t_rot + t_sdpa) / t_sdpa:.2f}",
+        "FlashInfer ms": ms(t_fi),
+        "fused/FlashInfer": "-" if t_fi is None else f"{t_fused / t_fi:.2f}",
         "fused perf": perf(t_fused),
         "no-RoPE perf": perf(t_plain),
         "SDPA perf": perf(t_sdpa),
         "SDPA": case.sdpa_note,
-        "max abs diff": f"{diff:.1e}" + (" MISMATCH" if not diff <= TOLERANCE else ""),
+        "FlashInfer": case.flashinfer_note,
+        "max abs diff": flagged(diff),
+        "FlashInfer diff": flagged(fi_diff),
+        "targets": targets(case, t_fused, t_plain, t_sdpa, peak_gbps),
     }
+
+
+def targets(case: Case, fused: float, plain: float, sdpa: float, peak_gbps: float) -> str:
+    """Issue 49's targets for this row: each ``name ok`` or ``name MISS (value)``."""
+    checks = [("fused/no-RoPE<=1.05", fused / plain, 1.05)]
+    if case.phase == "decode":
+        checks.append(("fused/SDPA<=1.05", fused / sdpa, 1.05))
+        bw = case.kv_bytes / (fused * 1e-3) / 1e9 / peak_gbps
+        return ", ".join(
+            [f"{n} {'ok' if v <= lim else f'MISS ({v:.2f})'}" for n, v, lim in checks]
+            + [f"HBM>=85% {'ok' if bw >= 0.85 else f'MISS ({bw:.0%})'}"]
+        )
+    if 8192 <= case.context <= 32768:
+        checks.append(("fused/SDPA<=1.10", fused / sdpa, 1.10))
+    return ", ".join(f"{n} {'ok' if v <= lim else f'MISS ({v:.2f})'}" for n, v, lim in checks)
+
+
+def profile_case(case: Case) -> None:
+    """Each kernel of ``case`` once, inside an NVTX range named after it (``--profile``, for
+    Nsight Compute's ``--nvtx --print-nvtx-rename kernel``), twice: the first call builds."""
+    calls = {"fused": case.fused, "no_rope": case.no_rope, "sdpa": case.sdpa, "old": case.old}
+    calls.update(rotate=case.rotate, flashinfer=case.flashinfer)
+    for name, fn in calls.items():
+        if fn is None:
+            continue
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push(f"{case.phase}-{case.context}-B{case.block_size}-{name}")
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+
+
+PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0}  # HBM peak by card name (H100: SXM)
 
 
 # Launch configurations --sweep tries per phase (the wrapper's overrides); {} = its default.
@@ -336,7 +477,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 between calls")
-    p.add_argument("--peak-gbps", type=float, default=3350.0, help="HBM peak (H100 SXM: 3350)")
+    p.add_argument(
+        "--peak-gbps", type=float, help="HBM peak in GB/s (default by card: H200 4800, H100 3350)"
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="run each kernel once per case inside NVTX ranges, no timing (scripts/gpu_ncu.sh)",
+    )
     p.add_argument(
         "--sweep",
         action="store_true",
@@ -357,9 +505,12 @@ def main() -> None:
         )
     device = torch.device("cuda")
     timer = cuda_timer(args.warmup, args.repeat, not args.no_flush)
+    name = torch.cuda.get_device_name(device)
+    if args.peak_gbps is None:
+        args.peak_gbps = next((v for k, v in PEAK_GBPS.items() if k in name), 3350.0)
     print(
-        f"# {torch.cuda.get_device_name(device)}, {args.dtype}, Hq {args.heads}, "
-        f"Hkv {args.kv_heads}, D {args.head_size}; median of {args.repeat} calls",
+        f"# {name}, {args.dtype}, Hq {args.heads}, Hkv {args.kv_heads}, D {args.head_size}; "
+        f"median of {args.repeat} calls; HBM peak taken as {args.peak_gbps:.0f} GB/s",
         flush=True,
     )
     if args.sweep:
@@ -369,7 +520,9 @@ def main() -> None:
         for context in args.contexts:
             for block_size in args.block_sizes:
                 case = make_case(args, phase, context, block_size, device)
-                if args.sweep:
+                if args.profile:
+                    profile_case(case)
+                elif args.sweep:
                     configs = [{}] + args.config if args.config else None
                     rows.extend(sweep_case(case, timer, configs))
                 else:
@@ -377,6 +530,8 @@ def main() -> None:
                     print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), file=sys.stderr)
                 del case
                 torch.cuda.empty_cache()
+    if args.profile:
+        return
     print()
     print(markdown(rows))
     if args.sweep:
