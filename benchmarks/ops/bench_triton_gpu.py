@@ -329,8 +329,10 @@ def targets(case: Case, fused: float, plain: float, sdpa: float, peak_gbps: floa
 
 
 def profile_case(case: Case) -> None:
-    """Each kernel of ``case`` once, inside an NVTX range named after it (``--profile``, for
-    Nsight Compute's ``--nvtx --print-nvtx-rename kernel``), twice: the first call builds."""
+    """Each kernel of ``case`` called twice: once to build it, then once between
+    ``cudaProfilerStart``/``Stop`` inside an NVTX range named after it (``--profile``, for Nsight
+    Compute with ``--profile-from-start off`` and ``--print-nvtx-rename kernel``). The labels go
+    to stderr in launch order, for a report whose kernels could not be renamed."""
     calls = {"fused": case.fused, "no_rope": case.no_rope, "sdpa": case.sdpa, "old": case.old}
     calls.update(rotate=case.rotate, flashinfer=case.flashinfer)
     for name, fn in calls.items():
@@ -338,10 +340,14 @@ def profile_case(case: Case) -> None:
             continue
         fn()
         torch.cuda.synchronize()
-        torch.cuda.nvtx.range_push(f"{case.phase}-{case.context}-B{case.block_size}-{name}")
+        label = f"{case.phase}-{case.context}-B{case.block_size}-{name}"
+        print(f"profile: {label}", file=sys.stderr)
+        torch.cuda.profiler.start()
+        torch.cuda.nvtx.range_push(label)
         fn()
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_pop()
+        torch.cuda.profiler.stop()
 
 
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0}  # HBM peak by card name (H100: SXM)

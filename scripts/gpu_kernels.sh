@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The CUDA Triton kernels on a GPU, in one go (issue 49, deliverables 3 and 5): correctness
+# against the float64 oracle, old vs new against SDPA / FlashInfer with the issue's targets per
+# row, Nsight Compute counters, the launch sweep. Needs CUDA torch and Triton only (no vLLM);
+# FlashInfer's row appears when `flashinfer` imports. UNTESTED ON A GPU: written without one.
+#   scripts/gpu_kernels.sh [STEP...]   STEP: tests bench ncu sweep (default: all, in that order)
+# Results go to $OUT (the device tool's folder) or /tmp/mepic-gpu: tests.log, bench.md, ncu.md,
+# ncu.csv, sweep.md. Each step has a time limit (seconds: TESTS_S, BENCH_S, NCU_S, SWEEP_S) so
+# the whole fits a short GPU lease; a step that fails or runs out is reported and the next runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${GPU_PY:-python3}
+OUTDIR=${OUT:-/tmp/mepic-gpu}
+mkdir -p "$OUTDIR"
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(tests bench ncu sweep)
+status=0
+note() { echo "== gpu_kernels.sh: $*" >&2; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >&2 || true
+for step in "${steps[@]}"; do
+  start=$SECONDS
+  case $step in
+    tests) timeout "${TESTS_S:-240}" "$PY" -m pytest -q -rs -m gpu -n "${WORKERS:-16}" \
+             -p no:cacheprovider tests/gpu/test_gpu_kernels.py >"$OUTDIR/tests.log" 2>&1
+           rc=$?; tail -n 5 "$OUTDIR/tests.log" >&2 ;;
+    bench) timeout "${BENCH_S:-150}" "$PY" benchmarks/ops/bench_triton_gpu.py \
+             --contexts 2048 8192 32768 --block-sizes 16 128 >"$OUTDIR/bench.md"
+           rc=$?; cat "$OUTDIR/bench.md" ;;
+    ncu)   timeout "${NCU_S:-150}" scripts/gpu_ncu.sh "$OUTDIR"; rc=$? ;;
+    sweep) timeout "${SWEEP_S:-180}" "$PY" benchmarks/ops/bench_triton_gpu.py --sweep \
+             --contexts 8192 32768 --block-sizes 16 128 --repeat 10 >"$OUTDIR/sweep.md"
+           rc=$?; tail -n 40 "$OUTDIR/sweep.md" ;;
+    *) note "unknown step $step (tests bench ncu sweep)"; exit 2 ;;
+  esac
+  note "$step: exit $rc after $((SECONDS - start)) s"
+  [ $rc -eq 0 ] || status=$rc
+done
+exit $status
