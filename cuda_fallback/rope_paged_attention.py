@@ -54,7 +54,10 @@ Status: tested on CPU under ``TRITON_INTERPRET=1`` (``tests/ops/test_triton.py``
 (``make test-cuda-compile``: registers, spills, ``cp.async`` per launch). An earlier version, whose
 K/V loads sat under a data-dependent branch, ran on one H100 (``tests/gpu/test_gpu_kernels.py``;
 timings by ``benchmarks/ops/bench_triton_gpu.py``, docs/results.md); **this version is untested
-on a GPU**. Not run inside vLLM on a GPU.
+on a GPU**, as are its GQA-packed prefill rows, the causal-free loop and the KV tile list.
+``benchmarks/ops/bench_triton_gpu.py`` times it against that earlier version
+(``benchmarks/ops/legacy_kernel.py``), SDPA and FlashInfer on one card; ``scripts/gpu_kernels.sh``
+runs everything a GPU lease should. Not run inside vLLM on a GPU.
 """
 
 from __future__ import annotations
@@ -451,8 +454,10 @@ def launch_config(
     Decode: 2 warps and 3 stages, 1.31-1.36x faster than 4 warps and 2 stages at 8k-32k keys.
     Prefill: 128 x 32 tiles, 1.20-1.49x faster than 64 x 64 at 2k-32k prompts where a tile is part
     of a block (block size >= 64); at block size 16 they were not better (0.93x at 2k), and MEPIC's
-    few recomputed rows per chunk would waste most of a 128-row tile, so 64 x 64 stays there. The
-    interpreter's cost is per tile, not per key, so it takes 128-key tiles.
+    few recomputed rows per chunk would waste most of a 128-row tile, so 64 x 64 stays there.
+    Since then a prefill tile's rows hold the KV head's GQA group (a 64-row tile is 16 queries
+    of Mistral's 32 / 8 heads), so that trade-off has moved too. The interpreter's cost is per
+    tile, not per key, so it takes 128-key tiles.
 
     Prefill with heads padded to 128 columns or more takes 8 warps: with 4, every such tile
     spilled once its loads were pipelined (4-412 bytes on sm_90a / sm_80; with 8 none do,
