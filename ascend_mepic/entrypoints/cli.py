@@ -30,13 +30,29 @@ def _tokenizer(name: str | None) -> Any:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from ascend_mepic.eval.prepare import prepare_smollm2, prepare_tiny_llama
+    from ascend_mepic.eval.prepare import (
+        DUMMY_MODELS,
+        prepare_dummy,
+        prepare_smollm2,
+        prepare_tiny_llama,
+    )
 
+    dummy = args.model in DUMMY_MODELS
+    if args.layers is not None and not dummy:
+        raise ValueError(f"--layers is for the dummy models ({', '.join(DUMMY_MODELS)})")
+    if args.out and args.model == "all":
+        raise ValueError("--out names one model's folder: give --model too")
+    out = data_stream()
+    if dummy:
+        dest = Path(args.out) if args.out else None
+        path = prepare_dummy(args.model, dest, force=args.force, layers=args.layers)
+        out.write(f"{args.model}: {path}\n")
+        return 0
     targets = {"smollm2": prepare_smollm2, "tiny": prepare_tiny_llama}
     names = list(targets) if args.model == "all" else [args.model]
-    out = data_stream()
     for name in names:
-        out.write(f"{name}: {targets[name](force=args.force)}\n")
+        dest = Path(args.out) if args.out else None
+        out.write(f"{name}: {targets[name](dest, force=args.force)}\n")
     return 0
 
 
@@ -102,8 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     pre = sub.add_parser("prepare", help="build the bundled model folders (idempotent)")
-    pre.add_argument("--model", choices=["smollm2", "tiny", "all"], default="all")
+    pre.add_argument(
+        "--model",
+        choices=["smollm2", "tiny", "mistral7b-dummy", "all"],
+        default="all",
+        help="all: smollm2 and tiny. mistral7b-dummy: Mistral-7B-Instruct-v0.3's published "
+        "config with SmolLM2's tokenizer and no weights (vLLM's load_format=dummy), a few MB",
+    )
     pre.add_argument("--force", action="store_true", help="rebuild even if present")
+    pre.add_argument("--out", help="the model's folder (default: under the cache folder)")
+    pre.add_argument(
+        "--layers",
+        type=int,
+        help="dummy models only: this many decoder layers, each of the published shape "
+        "(a shallower copy for a CPU rehearsal)",
+    )
     pre.set_defaults(func=cmd_prepare)
 
     tr = sub.add_parser("trace", help="write a workload trace (JSONL) to --out or stdout")

