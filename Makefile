@@ -116,10 +116,13 @@ test-npu:
 # the active virtualenv or conda env, else .venv, else python3; GPU_PY=/path/to/python picks
 # another. Without a GPU every test there skips, with the reason. Both always run; the exit
 # status is the first failure's.
+# GPU_PYTEST_ARGS passes more to pytest, e.g. "-n 8" (pytest-xdist: the engine tests' engines
+# each ask for 20% of the GPU's memory free at start and use a 256 MiB KV pool, so several fit).
 GPU_PY ?= $(or $(VIRTUAL_ENV:%=%/bin/python),$(CONDA_PREFIX:%=%/bin/python),$(wildcard $(PY)),python3)
+GPU_PYTEST_ARGS ?=
 test-gpu:
 	@$(GPU_PY) -m ascend_mepic.entrypoints.cli doctor; doctor=$$?; \
-	$(GPU_PY) -m pytest -q -rs -m gpu tests/gpu; tests=$$?; \
+	$(GPU_PY) -m pytest -q -rs -m gpu $(GPU_PYTEST_ARGS) tests/gpu; tests=$$?; \
 	exit $$(( doctor != 0 ? doctor : tests ))
 
 # The Triton kernels alone on a GPU machine without vLLM (CUDA torch and Triton are enough; this
