@@ -1467,28 +1467,42 @@ def cmd_check(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    """The device calls that put the carry in place and run the GPU tests."""
+    """The device calls of one 15-minute GPU lease (issue 49), most important first: the
+    carry's parts, the kernels' benchmark and counters while the parts arrive (they need no
+    vLLM), then vLLM: the 7B engine benchmark with FlashInfer's decode row, `make test-gpu`,
+    and the launch sweep if time is left."""
     manifest = load_manifest(CARRY_DIR / "manifest.json")
     parts = sorted(manifest["parts"], key=_parts_order)
     tree = working_tree_bytes()
     ready = "scripts/gpu_carry.sh install >/dev/null && . /tmp/mepic-carry/env.sh && "
-    print(f"# carry {manifest['carry_id']}: {len(parts)} calls, back to back (the machine keeps "
-          "/tmp about 30 s after a call;\n# if a call says parts are missing, the machine was "
-          "replaced: send those parts again).")
+    bench_data = "results/gpu_engine_bench"
+    print(f"# carry {manifest['carry_id']}: {len(parts)} parts, then the work; issue the calls "
+          "back to back (the machine keeps\n# /tmp about 30 s after a call; if a call says "
+          "parts are missing, the machine was replaced:\n# send those parts again). Estimated "
+          "device time: about 15 minutes with the machine's start.")
     for i, part in enumerate(parts, 1):
         size = sum(p["size"] for p in manifest["parts"][part])
         cmd = "scripts/gpu_carry.sh receive .gpu-carry/part*"
-        if i == 1:
-            cmd = "nvidia-smi -L; " + cmd
+        carry = [f".gpu-carry/{part}"]
+        timeout = 120
+        if i == 1:  # the kernels need only CUDA torch and Triton: measured while parts arrive
+            cmd = f"nvidia-smi -L; {cmd}; CONTEXTS='8192 32768' scripts/gpu_kernels.sh bench ncu"
+            timeout = 420
         if i == len(parts):
-            cmd += " && scripts/gpu_carry.sh install && scripts/gpu_carry.sh check"
-        print(f"run(command={cmd!r}, carry=[{f'.gpu-carry/{part}'!r}], "
-              f"timeout_s={300 if i == len(parts) else 120})  # uploads {mib(size + tree)}")
-    print("# then the tests (every later call begins with install: idempotent, it checks the "
-          "files and\n# rewrites env.sh for that call's checkout; GPU_PYTEST_ARGS: see the "
-          "Makefile):")
+            cmd += (" && scripts/gpu_carry.sh install && scripts/gpu_carry.sh check && "
+                    ". /tmp/mepic-carry/env.sh && ascend-mepic bench engine --device cuda "
+                    f"--model {bench_data}/mistral7b-dummy --workload {bench_data}/squad_quick.json"
+                    " --policy-timeout 150 --out $OUT/engine_bench; "
+                    "scripts/gpu_kernels.sh flashinfer")
+            carry.append(bench_data)
+            timeout = 540
+        print(f"run(command={cmd!r}, carry={carry!r}, timeout_s={timeout})  "
+              f"# uploads {mib(size + tree)} plus any carried data")
     tests = "make test-gpu GPU_PY=python3 GPU_PYTEST_ARGS='-n 8'"
     print(f"run(command={ready + tests!r}, timeout_s=600)")
+    print("# if time is left: the launch sweep on the new kernels")
+    print("run(command='scripts/gpu_kernels.sh sweep', timeout_s=240)")
+    print("# then give_back(); results: docs/results.md (issue 49's sections)")
 
 
 # ---------------------------------------------------------------------------------------------

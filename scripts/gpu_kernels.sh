@@ -3,9 +3,12 @@
 # against the float64 oracle, old vs new against SDPA / FlashInfer with the issue's targets per
 # row, Nsight Compute counters, the launch sweep. Needs CUDA torch and Triton only (no vLLM);
 # FlashInfer's row appears when `flashinfer` imports. UNTESTED ON A GPU: written without one.
-#   scripts/gpu_kernels.sh [STEP...]   STEP: tests bench ncu sweep (default: all, in that order)
+#   scripts/gpu_kernels.sh [STEP...]   STEP: tests bench ncu flashinfer sweep
+#   (default: tests bench ncu sweep). `flashinfer`: decode rows only, once FlashInfer imports
+#   (after scripts/gpu_carry.sh install), with its ROPE_LLAMA row; its first call JIT-builds.
 # Results go to $OUT (the device tool's folder) or /tmp/mepic-gpu: tests.log, bench.md, ncu.md,
-# ncu.csv, sweep.md. Each step has a time limit (seconds: TESTS_S, BENCH_S, NCU_S, SWEEP_S) so
+# ncu.csv, flashinfer.md, sweep.md. Each step has a time limit (seconds: TESTS_S, BENCH_S, NCU_S,
+# FI_S, SWEEP_S) so
 # the whole fits a short GPU lease; a step that fails or runs out is reported and the next runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,13 +27,16 @@ for step in "${steps[@]}"; do
              -p no:cacheprovider tests/gpu/test_gpu_kernels.py >"$OUTDIR/tests.log" 2>&1
            rc=$?; tail -n 5 "$OUTDIR/tests.log" >&2 ;;
     bench) timeout "${BENCH_S:-150}" "$PY" benchmarks/ops/bench_triton_gpu.py \
-             --contexts 2048 8192 32768 --block-sizes 16 128 >"$OUTDIR/bench.md"
+             --contexts ${CONTEXTS:-2048 8192 32768} --block-sizes 16 128 >"$OUTDIR/bench.md"
            rc=$?; cat "$OUTDIR/bench.md" ;;
+    flashinfer) timeout "${FI_S:-240}" "$PY" benchmarks/ops/bench_triton_gpu.py --phases decode \
+             --contexts 8192 32768 --block-sizes 16 128 >"$OUTDIR/flashinfer.md"
+           rc=$?; cat "$OUTDIR/flashinfer.md" ;;
     ncu)   timeout "${NCU_S:-150}" scripts/gpu_ncu.sh "$OUTDIR"; rc=$? ;;
     sweep) timeout "${SWEEP_S:-180}" "$PY" benchmarks/ops/bench_triton_gpu.py --sweep \
              --contexts 8192 32768 --block-sizes 16 128 --repeat 10 >"$OUTDIR/sweep.md"
            rc=$?; tail -n 40 "$OUTDIR/sweep.md" ;;
-    *) note "unknown step $step (tests bench ncu sweep)"; exit 2 ;;
+    *) note "unknown step $step (tests bench ncu flashinfer sweep)"; exit 2 ;;
   esac
   note "$step: exit $rc after $((SECONDS - start)) s"
   [ $rc -eq 0 ] || status=$rc
