@@ -13,7 +13,8 @@ mkdir -p "$OUTDIR"
 NCU=${NCU:-$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1 || true)}
 [ -x "$NCU" ] || { echo "gpu_ncu.sh: no ncu found (set NCU=/path/to/ncu)" >&2; exit 2; }
 
-# Only the metrics this ncu knows (an unknown one fails the whole run).
+# Only the metrics this ncu knows (an unknown one fails the whole run); all of them if it cannot
+# list its metrics (the run then says which one it lacks).
 known=$("$NCU" --query-metrics 2>/dev/null | awk '{print $1}')
 metrics=()
 for m in gpu__time_duration.sum dram__throughput.avg.pct_of_peak_sustained_elapsed \
@@ -21,7 +22,8 @@ for m in gpu__time_duration.sum dram__throughput.avg.pct_of_peak_sustained_elaps
     sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
     sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \
     launch__registers_per_thread sm__warps_active.avg.pct_of_peak_sustained_active; do
-  if grep -qx "${m%%.*}" <<<"$known"; then metrics+=("$m"); else echo "ncu lacks ${m%%.*}" >&2; fi
+  if [ -z "$known" ] || grep -qx "${m%%.*}" <<<"$known"; then metrics+=("$m")
+  else echo "ncu lacks ${m%%.*}: left out" >&2; fi
 done
 rename=()
 if "$NCU" --help | grep -q -- --print-nvtx-rename; then rename=(--nvtx --print-nvtx-rename kernel); fi
