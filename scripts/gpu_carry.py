@@ -171,14 +171,17 @@ FALLBACK_MAX_BYTES = 4 * MIB
 
 # What is taken out of vLLM's wheel (paths in the wheel), and why it is safe on an SM90 GPU.
 WHEEL_DROPS = (
-    ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
-     "FlashAttention 2 (124 MiB): on SM90 vLLM's FLASH_ATTN backend runs FA3 "
-     "(fa_utils.get_flash_attn_version); FA2 only serves ALiBi, batch invariance and pre-SM90 "
-     "GPUs (vllm_flash_attn/flash_attn_interface.py imports it in a try)"),
-    ("vllm/vllm-rs",
-     "the Rust front end binary (21 MiB), used only with VLLM_USE_RUST_FRONTEND=1"),
-    ("vllm/third_party/deep_gemm/",
-     "DeepGEMM (fp8 block GEMMs): found through has_deep_gemm(), absent means off"),
+    (
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
+        "FlashAttention 2 (124 MiB): on SM90 vLLM's FLASH_ATTN backend runs FA3 "
+        "(fa_utils.get_flash_attn_version); FA2 only serves ALiBi, batch invariance and pre-SM90 "
+        "GPUs (vllm_flash_attn/flash_attn_interface.py imports it in a try)",
+    ),
+    ("vllm/vllm-rs", "the Rust front end binary (21 MiB), used only with VLLM_USE_RUST_FRONTEND=1"),
+    (
+        "vllm/third_party/deep_gemm/",
+        "DeepGEMM (fp8 block GEMMs): found through has_deep_gemm(), absent means off",
+    ),
     ("vllm/third_party/fmha_sm100/", "SM100 sparse attention of MiniMax-M3 (lazy imports)"),
     ("vllm/third_party/tml_fa4/", "FA4 relative attention of one model family (lazy import)"),
     ("vllm/_flashmla_C.abi3.so", "FlashMLA (MLA models; imported in a try)"),
@@ -264,8 +267,10 @@ class LockEntry:
 
     def line(self) -> str:
         tail = f" {self.spec}" if self.spec else ""
-        return (f"{self.name}=={self.version} --hash=sha256:{self.sha256}"
-                f"  # {self.role} {self.filename}{tail}")
+        return (
+            f"{self.name}=={self.version} --hash=sha256:{self.sha256}"
+            f"  # {self.role} {self.filename}{tail}"
+        )
 
 
 LOCK_LINE = re.compile(
@@ -293,8 +298,11 @@ def read_lock(path: Path = LOCK) -> list[LockEntry]:
         m = LOCK_LINE.match(raw)
         if not m:
             die(f"{path}: cannot read line {raw!r}")
-        entries.append(LockEntry(m["name"], m["version"], m["sha"], m["role"], m["file"],
-                                 (m["spec"] or "").strip()))
+        entries.append(
+            LockEntry(
+                m["name"], m["version"], m["sha"], m["role"], m["file"], (m["spec"] or "").strip()
+            )
+        )
     if sum(e.role == "vllm" for e in entries) != 1:
         die(f"{path}: expected exactly one vllm line")
     return entries
@@ -302,8 +310,9 @@ def read_lock(path: Path = LOCK) -> list[LockEntry]:
 
 def wheel_metadata(path: Path) -> str:
     with zipfile.ZipFile(path) as z:
-        name = next(n for n in z.namelist()
-                    if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+        name = next(
+            n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1
+        )
         return z.read(name).decode("utf-8", "replace")
 
 
@@ -341,8 +350,23 @@ def pip_download(requirements: list[str], dest: Path, hashes: bool = False) -> N
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write("\n".join(requirements) + "\n")
         req_file = f.name
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-           "--python-version", "3.12", "--implementation", "cp", "-d", str(dest), "-r", req_file]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        "-d",
+        str(dest),
+        "-r",
+        req_file,
+    ]
     for tag in PLATFORM_TAGS:
         cmd += ["--platform", tag]
     if hashes:
@@ -376,22 +400,44 @@ def project_requirements() -> list[str]:
     raise AssertionError
 
 
-def uv_compile(uv: str, inputs: list[str], constraints: list[str], excludes: Iterable[str],
-               workdir: Path) -> dict[str, str]:
+def uv_compile(
+    uv: str, inputs: list[str], constraints: list[str], excludes: Iterable[str], workdir: Path
+) -> dict[str, str]:
     """Resolve inputs for CPython 3.12 on manylinux x86-64; name -> version."""
     files = {}
-    for key, lines in (("in", inputs), ("constraints", constraints),
-                       ("overrides", [f"{k}=={v}" for k, v in OVERRIDES.items()]),
-                       ("excludes", sorted(excludes))):
+    for key, lines in (
+        ("in", inputs),
+        ("constraints", constraints),
+        ("overrides", [f"{k}=={v}" for k, v in OVERRIDES.items()]),
+        ("excludes", sorted(excludes)),
+    ):
         files[key] = workdir / f"{key}.txt"
         files[key].write_text("\n".join(lines) + "\n")
     out = workdir / "resolved.txt"
     subprocess.run(
-        [uv, "pip", "compile", str(files["in"]), "-c", str(files["constraints"]),
-         "--overrides", str(files["overrides"]), "--excludes", str(files["excludes"]),
-         "--python-version", "3.12", "--python-platform", UV_PLATFORM, "--no-header",
-         "--no-annotate", "--quiet", "-o", str(out)],
-        check=True, stdout=sys.stderr,
+        [
+            uv,
+            "pip",
+            "compile",
+            str(files["in"]),
+            "-c",
+            str(files["constraints"]),
+            "--overrides",
+            str(files["overrides"]),
+            "--excludes",
+            str(files["excludes"]),
+            "--python-version",
+            "3.12",
+            "--python-platform",
+            UV_PLATFORM,
+            "--no-header",
+            "--no-annotate",
+            "--quiet",
+            "-o",
+            str(out),
+        ],
+        check=True,
+        stdout=sys.stderr,
     )
     resolved = {}
     for line in out.read_text().splitlines():
@@ -446,15 +492,22 @@ def cmd_lock(args: argparse.Namespace) -> None:
         # 1. Everything vLLM asks for (the image's torch and friends aside), to fix versions as
         #    a full install would; 2. the same without the dropped packages and what only they
         #    need, constrained to step 1's versions.
-        full = uv_compile(uv, inputs, constraints, {"torch", "torchvision", "torchaudio",
-                                                    "triton", "numba"}, work)
+        full = uv_compile(
+            uv, inputs, constraints, {"torch", "torchvision", "torchaudio", "triton", "numba"}, work
+        )
         kept_inputs = [r for r in inputs if norm(re.split(r"[\s\[<>=!~;]", r)[0]) not in dropped]
-        reduced = uv_compile(uv, kept_inputs, constraints + [f"{k}=={v}" for k, v in full.items()
-                                                             if k not in dropped],
-                             dropped, work)
+        reduced = uv_compile(
+            uv,
+            kept_inputs,
+            constraints + [f"{k}=={v}" for k, v in full.items() if k not in dropped],
+            dropped,
+            work,
+        )
     carried = {k: v for k, v in reduced.items() if k not in image and k != "vllm"}
-    log(f"resolved {len(full)} packages; {len(carried)} are carried, "
-        f"{len([k for k in reduced if k in image])} are the image's")
+    log(
+        f"resolved {len(full)} packages; {len(carried)} are carried, "
+        f"{len([k for k in reduced if k in image])} are the image's"
+    )
     pip_download([f"{k}=={v}" for k, v in sorted(carried.items())], wheels_dir)
     carried_whl = {k: _downloaded(wheels_dir, k, v) for k, v in carried.items()}
     # Fallbacks: image packages that vLLM or a carried wheel constrains (their version there is
@@ -462,15 +515,21 @@ def cmd_lock(args: argparse.Namespace) -> None:
     fallback_whl: dict[str, Path] = {}
     while True:
         specs = image_specifiers([vllm_whl, *carried_whl.values(), *fallback_whl.values()], image)
-        want = {k for k, s in specs.items() if s and k not in HARMLESS and k in reduced
-                and not _pin_fits(k, s)}
+        want = {
+            k
+            for k, s in specs.items()
+            if s and k not in HARMLESS and k in reduced and not _pin_fits(k, s)
+        }
         new = sorted(want - set(fallback_whl))
         if not new:
             break
         pip_download([f"{k}=={reduced[k]}" for k in new], wheels_dir)
         fallback_whl.update({k: _downloaded(wheels_dir, k, reduced[k]) for k in new})
-    entries = [LockEntry("vllm", VLLM_REQUIREMENT.split("==")[1], sha256_file(vllm_whl), "vllm",
-                         vllm_whl.name)]
+    entries = [
+        LockEntry(
+            "vllm", VLLM_REQUIREMENT.split("==")[1], sha256_file(vllm_whl), "vllm", vllm_whl.name
+        )
+    ]
     for k in sorted(carried_whl):
         p = carried_whl[k]
         entries.append(LockEntry(k, carried[k], sha256_file(p), "carry", p.name))
@@ -483,8 +542,8 @@ def cmd_lock(args: argparse.Namespace) -> None:
         entries.append(LockEntry(k, reduced[k], sha256_file(p), "fallback", p.name, specs[k]))
     unchecked = {k: s for k, s in specs.items() if s and k in HARMLESS}
     lines = [
-        "# What scripts/gpu_carry.py carries to the GPU machine (docs/cuda.md, \"Carrying vLLM",
-        "# to a GPU machine without a package index\"). Written by `scripts/gpu_carry.sh lock`;",
+        '# What scripts/gpu_carry.py carries to the GPU machine (docs/cuda.md, "Carrying vLLM',
+        '# to a GPU machine without a package index"). Written by `scripts/gpu_carry.sh lock`;',
         "# do not edit.",
         f"# Resolved by uv for CPython 3.12 on {UV_PLATFORM} against the image's packages",
         "# (scripts/gpu_carry.py: IMAGE_PACKAGES, IMAGE_PINS).",
@@ -502,8 +561,10 @@ def cmd_lock(args: argparse.Namespace) -> None:
     used = sorted(k for k in reduced if k in image)
     lines.append("# image-packages: " + " ".join(used))
     LOCK.write_text("\n".join(lines + [e.line() for e in entries]) + "\n")
-    print(f"wrote {LOCK.relative_to(ROOT)}: vllm, {len(carried_whl)} carried, "
-          f"{sum(e.role == 'fallback' for e in entries)} fallback wheels")
+    print(
+        f"wrote {LOCK.relative_to(ROOT)}: vllm, {len(carried_whl)} carried, "
+        f"{sum(e.role == 'fallback' for e in entries)} fallback wheels"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,8 +605,11 @@ def slim_wheel(src: Path, dest: Path) -> tuple[int, int]:
             central.append(_write_member(out, info, data))
         if record_name is None:
             die(f"{src}: no RECORD")
-        kept = [line for line in zin.read(record_name).decode().splitlines()
-                if line and not _drop_reason(line.rsplit(",", 2)[0])]
+        kept = [
+            line
+            for line in zin.read(record_name).decode().splitlines()
+            if line and not _drop_reason(line.rsplit(",", 2)[0])
+        ]
         record = ("\n".join(kept) + "\n").encode()
         rinfo = zipfile.ZipInfo(record_name, date_time=zin.getinfo(record_name).date_time)
         rinfo.compress_type = zipfile.ZIP_DEFLATED
@@ -560,8 +624,11 @@ def slim_wheel(src: Path, dest: Path) -> tuple[int, int]:
         for entry in central:
             out.write(entry)
         cd_size = out.tell() - cd_start
-        out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(central), len(central),
-                              cd_size, cd_start, 0))
+        out.write(
+            struct.pack(
+                "<IHHHHIIH", 0x06054B50, 0, 0, len(central), len(central), cd_size, cd_start, 0
+            )
+        )
     with zipfile.ZipFile(dest) as z:  # the result reads back, and every member's CRC holds
         bad = z.testzip()
         if bad:
@@ -579,13 +646,47 @@ def _write_member(out, info: zipfile.ZipInfo, data: bytes) -> bytes:
     dosdate = (dt[0] - 1980) << 9 | dt[1] << 5 | dt[2]
     if offset > 0xFFFFFFFF or info.file_size > 0xFFFFFFFF:
         die("zip64 members are not supported")
-    out.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, flags, info.compress_type, dostime,
-                          dosdate, info.CRC, len(data), info.file_size, len(name), 0))
+    out.write(
+        struct.pack(
+            "<IHHHHHIIIHH",
+            0x04034B50,
+            20,
+            flags,
+            info.compress_type,
+            dostime,
+            dosdate,
+            info.CRC,
+            len(data),
+            info.file_size,
+            len(name),
+            0,
+        )
+    )
     out.write(name)
     out.write(data)
-    return struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0x031E, 20, flags, info.compress_type,
-                       dostime, dosdate, info.CRC, len(data), info.file_size, len(name), 0, 0,
-                       0, 0, info.external_attr, offset) + name
+    return (
+        struct.pack(
+            "<IHHHHHHIIIHHHHHII",
+            0x02014B50,
+            0x031E,
+            20,
+            flags,
+            info.compress_type,
+            dostime,
+            dosdate,
+            info.CRC,
+            len(data),
+            info.file_size,
+            len(name),
+            0,
+            0,
+            0,
+            0,
+            info.external_attr,
+            offset,
+        )
+        + name
+    )
 
 
 def split_into_parts(files: list[tuple[str, int]], limit: int) -> list[list[dict]]:
@@ -613,8 +714,13 @@ def split_into_parts(files: list[tuple[str, int]], limit: int) -> list[list[dict
     return [p for p in parts if p]
 
 
-def build_parts(files: list[dict], out_dir: Path, limit: int = PART_LIMIT,
-                extra: dict | None = None, room: int = 256 * 1024) -> dict:
+def build_parts(
+    files: list[dict],
+    out_dir: Path,
+    limit: int = PART_LIMIT,
+    extra: dict | None = None,
+    room: int = 256 * 1024,
+) -> dict:
     """Write part1..partN under out_dir from files [{name, path, size, sha256, role, ...}];
     each part holds its pieces and the whole manifest (``room`` bytes are kept for it).
     Returns the manifest."""
@@ -640,23 +746,38 @@ def build_parts(files: list[dict], out_dir: Path, limit: int = PART_LIMIT,
                     h.update(block)
                     fout.write(block)
                     left -= len(block)
-            entries.append({"piece": p["piece"], "file": p["file"], "index": p["index"],
-                            "size": p["size"], "sha256": h.hexdigest()})
+            entries.append(
+                {
+                    "piece": p["piece"],
+                    "file": p["file"],
+                    "index": p["index"],
+                    "size": p["size"],
+                    "sha256": h.hexdigest(),
+                }
+            )
         manifest_parts[f"part{i}"] = entries
     file_entries = []
     for f in files:
-        pieces = [e["piece"] for part in manifest_parts.values() for e in part
-                  if e["file"] == f["name"]]
+        pieces = [
+            e["piece"] for part in manifest_parts.values() for e in part if e["file"] == f["name"]
+        ]
         entry = {k: v for k, v in f.items() if k != "path"}
         entry["pieces"] = pieces
         file_entries.append(entry)
     ident = hashlib.sha256(json.dumps([(f["name"], f["sha256"]) for f in files]).encode())
-    manifest = {"format": FORMAT, "carry_id": ident.hexdigest()[:16],
-                "part_limit": limit, "parts": manifest_parts, "files": file_entries,
-                **(extra or {})}
+    manifest = {
+        "format": FORMAT,
+        "carry_id": ident.hexdigest()[:16],
+        "part_limit": limit,
+        "parts": manifest_parts,
+        "files": file_entries,
+        **(extra or {}),
+    }
     for name in manifest_parts:
-        write_atomic(out_dir / name / "manifest.json",
-                     json.dumps({**manifest, "part": name}, separators=(",", ":")) + "\n")
+        write_atomic(
+            out_dir / name / "manifest.json",
+            json.dumps({**manifest, "part": name}, separators=(",", ":")) + "\n",
+        )
         total = sum(p.stat().st_size for p in (out_dir / name).iterdir())
         if total > limit:
             die(f"{name} is {total} bytes, over {limit}")
@@ -668,8 +789,11 @@ def working_tree_bytes() -> int:
     """Bytes of what every device call uploads besides the carried folder: tracked and
     untracked-not-ignored files."""
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard",
-                              "-z"], check=True, capture_output=True).stdout
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z"],
+            check=True,
+            capture_output=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return 0
     total = 0
@@ -692,8 +816,11 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     missing = [e for e in entries if e.filename not in have]
     if missing:
         log(f"downloading {len(missing)} wheels into {wheels_dir.relative_to(ROOT)}")
-        pip_download([f"{e.name}=={e.version} --hash=sha256:{e.sha256}" for e in missing],
-                     wheels_dir, hashes=True)
+        pip_download(
+            [f"{e.name}=={e.version} --hash=sha256:{e.sha256}" for e in missing],
+            wheels_dir,
+            hashes=True,
+        )
     for e in entries:
         p = wheels_dir / e.filename
         if not p.exists() or sha256_file(p) != e.sha256:
@@ -708,35 +835,62 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         t0 = time.time()
         n, nbytes = slim_wheel(wheels_dir / vllm.filename, slim)
         stamp.write_text(rules)
-        log(f"slimmed {vllm.filename}: {n} members dropped ({mib(nbytes)} compressed) in "
-            f"{time.time() - t0:.1f} s")
-    files = [{"name": slim.name, "path": str(slim), "size": slim.stat().st_size,
-              "sha256": sha256_file(slim), "role": "vllm", "dist": "vllm",
-              "version": vllm.version}]
+        log(
+            f"slimmed {vllm.filename}: {n} members dropped ({mib(nbytes)} compressed) in "
+            f"{time.time() - t0:.1f} s"
+        )
+    files = [
+        {
+            "name": slim.name,
+            "path": str(slim),
+            "size": slim.stat().st_size,
+            "sha256": sha256_file(slim),
+            "role": "vllm",
+            "dist": "vllm",
+            "version": vllm.version,
+        }
+    ]
     for e in entries:
         if e.role == "vllm":
             continue
         p = wheels_dir / e.filename
-        f = {"name": e.filename, "path": str(p), "size": p.stat().st_size, "sha256": e.sha256,
-             "role": e.role, "dist": e.name, "version": e.version}
+        f = {
+            "name": e.filename,
+            "path": str(p),
+            "size": p.stat().st_size,
+            "sha256": e.sha256,
+            "role": e.role,
+            "dist": e.name,
+            "version": e.version,
+        }
         if e.spec:
             f["spec"] = e.spec
         files.append(f)
     lock_hash = sha256_file(LOCK)
-    manifest = build_parts(files, CARRY_DIR, args.part_mib * MIB,
-                           extra={"lock_sha256": lock_hash, "harmless": HARMLESS,
-                                  "image_specifiers": _image_specs_from_files(
-                                      files, lock_image_packages())})
+    manifest = build_parts(
+        files,
+        CARRY_DIR,
+        args.part_mib * MIB,
+        extra={
+            "lock_sha256": lock_hash,
+            "harmless": HARMLESS,
+            "image_specifiers": _image_specs_from_files(files, lock_image_packages()),
+        },
+    )
     tree = working_tree_bytes()
     sizes = {name: sum(p["size"] for p in pieces) for name, pieces in manifest["parts"].items()}
     for name, size in sizes.items():
         fits = "ok" if size + tree < UPLOAD_LIMIT else "OVER THE UPLOAD LIMIT"
-        print(f"{name}: {mib(size)} in {len(manifest['parts'][name])} pieces; with the working "
-              f"tree ({mib(tree)}) {mib(size + tree)}: {fits}")
+        print(
+            f"{name}: {mib(size)} in {len(manifest['parts'][name])} pieces; with the working "
+            f"tree ({mib(tree)}) {mib(size + tree)}: {fits}"
+        )
     roles = {r: sum(f["role"] == r for f in files) for r in ("vllm", "carry", "fallback")}
-    print(f"carry {manifest['carry_id']}: {len(sizes)} parts, {mib(sum(sizes.values()))} "
-          f"({roles['carry']} carried wheels, {roles['fallback']} fallbacks, vLLM slimmed to "
-          f"{mib(files[0]['size'])}) in {CARRY_DIR.relative_to(ROOT)}/part1..part{len(sizes)}")
+    print(
+        f"carry {manifest['carry_id']}: {len(sizes)} parts, {mib(sum(sizes.values()))} "
+        f"({roles['carry']} carried wheels, {roles['fallback']} fallbacks, vLLM slimmed to "
+        f"{mib(files[0]['size'])}) in {CARRY_DIR.relative_to(ROOT)}/part1..part{len(sizes)}"
+    )
     print("device calls: scripts/gpu_carry.sh plan")
 
 
@@ -788,8 +942,11 @@ def store_state(store: Path, manifest: dict) -> tuple[dict[str, list[str]], list
     assembled = {f["name"] for f in manifest["files"] if (files_dir / f["name"]).exists()}
     missing_parts = {}
     for part, pieces in manifest["parts"].items():
-        gone = [p["piece"] for p in pieces
-                if p["file"] not in assembled and not (pieces_dir / p["piece"]).exists()]
+        gone = [
+            p["piece"]
+            for p in pieces
+            if p["file"] not in assembled and not (pieces_dir / p["piece"]).exists()
+        ]
         if gone:
             missing_parts[part] = gone
     not_assembled = [f["name"] for f in manifest["files"] if f["name"] not in assembled]
@@ -807,8 +964,10 @@ def cmd_receive(args: argparse.Namespace) -> None:
     manifest = load_manifest(store / "manifest.json")
     missing, _ = store_state(store, manifest)
     have = [p for p in manifest["parts"] if p not in missing]
-    print(f"carry {manifest['carry_id']} in {store}: received {' '.join(have) or 'none'}; "
-          f"missing {' '.join(sorted(missing, key=_parts_order)) or 'none'}")
+    print(
+        f"carry {manifest['carry_id']} in {store}: received {' '.join(have) or 'none'}; "
+        f"missing {' '.join(sorted(missing, key=_parts_order)) or 'none'}"
+    )
     if not missing:
         print("all parts received: next `scripts/gpu_carry.sh install`")
 
@@ -845,8 +1004,11 @@ def receive_part(part: Path, store: Path) -> None:
         if dest.exists() and dest.stat().st_size == p["size"]:
             continue
         if not _copy_hashed(part / p["piece"], dest, p["size"], p["sha256"]):
-            die(f"{part / p['piece']} is missing or corrupt (size or sha256 differs from the "
-                f"manifest): send {name} again", 3)
+            die(
+                f"{part / p['piece']} is missing or corrupt (size or sha256 differs from the "
+                f"manifest): send {name} again",
+                3,
+            )
         nbytes += p["size"]
     assemble(store, manifest)
     log(f"received {name} from {part}: {mib(nbytes)} new in {time.time() - t0:.1f} s")
@@ -876,9 +1038,12 @@ def assemble(store: Path, manifest: dict) -> None:
             tmp.unlink()
             for p in pieces:
                 p.unlink()
-            die(f"{f['name']}: its pieces join to a file whose sha256 differs from the manifest; "
+            die(
+                f"{f['name']}: its pieces join to a file whose sha256 differs from the manifest; "
                 f"pieces removed, send the parts holding them again: "
-                f"{' '.join(parts_of(manifest, f['name']))}", 3)
+                f"{' '.join(parts_of(manifest, f['name']))}",
+                3,
+            )
         tmp.replace(dest)
         for p in pieces:
             p.unlink()
@@ -886,8 +1051,11 @@ def assemble(store: Path, manifest: dict) -> None:
 
 
 def parts_of(manifest: dict, file_name: str) -> list[str]:
-    return [part for part, pieces in manifest["parts"].items()
-            if any(p["file"] == file_name for p in pieces)]
+    return [
+        part
+        for part, pieces in manifest["parts"].items()
+        if any(p["file"] == file_name for p in pieces)
+    ]
 
 
 def image_status(manifest: dict) -> list[dict]:
@@ -906,8 +1074,9 @@ def image_status(manifest: dict) -> list[dict]:
             have = metadata.version(name)
         except metadata.PackageNotFoundError:
             have = None
-        ok = have is not None and (not spec or versions.Version(have) in specifiers.SpecifierSet(
-            spec, prereleases=True))
+        ok = have is not None and (
+            not spec or versions.Version(have) in specifiers.SpecifierSet(spec, prereleases=True)
+        )
         if ok:
             action = "ok"
         elif name in fallbacks:
@@ -922,19 +1091,27 @@ def image_status(manifest: dict) -> list[dict]:
 
 def report_image(manifest: dict, out=sys.stdout) -> list[dict]:
     if sys.version_info[:2] != (3, 12):
-        print(f"WARNING: {sys.executable} is Python {sys.version.split()[0]}; the carried "
-              "wheels are for CPython 3.12", file=out)
+        print(
+            f"WARNING: {sys.executable} is Python {sys.version.split()[0]}; the carried "
+            "wheels are for CPython 3.12",
+            file=out,
+        )
     rows = image_status(manifest)
     bad = [r for r in rows if not r["ok"]]
     import platform
 
     libc = " ".join(platform.libc_ver())
-    print(f"image check ({sys.executable}, Python {sys.version.split()[0]}, {libc}): "
-          f"{len(rows) - len(bad)} of the {len(rows)} image packages the carried set uses fit",
-          file=out)
+    print(
+        f"image check ({sys.executable}, Python {sys.version.split()[0]}, {libc}): "
+        f"{len(rows) - len(bad)} of the {len(rows)} image packages the carried set uses fit",
+        file=out,
+    )
     for r in bad:
-        print(f"  {r['name']} {r['image'] or 'absent'} (needs {r['spec'] or 'any version'}): "
-              f"{r['action']}", file=out)
+        print(
+            f"  {r['name']} {r['image'] or 'absent'} (needs {r['spec'] or 'any version'}): "
+            f"{r['action']}",
+            file=out,
+        )
     return rows
 
 
@@ -942,8 +1119,10 @@ def cmd_install(args: argparse.Namespace) -> None:
     store: Path = args.store
     current = store / "manifest.json"
     if not current.exists():
-        die(f"nothing received in {store}: run `scripts/gpu_carry.sh receive .gpu-carry/partN` "
-            "for every part first")
+        die(
+            f"nothing received in {store}: run `scripts/gpu_carry.sh receive .gpu-carry/partN` "
+            "for every part first"
+        )
     manifest = load_manifest(current)
     missing, not_assembled = store_state(store, manifest)
     corrupt = []
@@ -955,23 +1134,34 @@ def cmd_install(args: argparse.Namespace) -> None:
             corrupt.append(f["name"])
             p.unlink()
     if missing or corrupt:
-        resend = sorted(set(missing) | {part for name in corrupt
-                                        for part in parts_of(manifest, name)}, key=_parts_order)
+        resend = sorted(
+            set(missing) | {part for name in corrupt for part in parts_of(manifest, name)},
+            key=_parts_order,
+        )
         lines = [f"carry {manifest['carry_id']} is incomplete in {store}; not installing."]
-        lines += [f"  missing {part}: {len(pieces)} pieces" for part, pieces in
-                  sorted(missing.items(), key=lambda kv: _parts_order(kv[0]))]
+        lines += [
+            f"  missing {part}: {len(pieces)} pieces"
+            for part, pieces in sorted(missing.items(), key=lambda kv: _parts_order(kv[0]))
+        ]
         lines += [f"  corrupt (removed): {name}" for name in corrupt]
-        lines.append(f"  send again: {' '.join(resend)} (scripts/gpu_carry.sh receive "
-                     f".gpu-carry/<part>)")
+        lines.append(
+            f"  send again: {' '.join(resend)} (scripts/gpu_carry.sh receive .gpu-carry/<part>)"
+        )
         print("\n".join(lines))
         raise SystemExit(2)
     rows = report_image(manifest)
     chosen = {r["name"] for r in rows if not r["ok"] and r["action"].startswith("install")}
-    wheels = [store / "files" / f["name"] for f in manifest["files"]
-              if f["role"] != "fallback" or norm(f["dist"]) in chosen]
+    wheels = [
+        store / "files" / f["name"]
+        for f in manifest["files"]
+        if f["role"] != "fallback" or norm(f["dist"]) in chosen
+    ]
     site = store / "site"
-    stamp = {"carry_id": manifest["carry_id"], "fallbacks": sorted(chosen),
-             "python": sys.executable}
+    stamp = {
+        "carry_id": manifest["carry_id"],
+        "fallbacks": sorted(chosen),
+        "python": sys.executable,
+    }
     stamp_file = site / ".gpu-carry-installed"
     if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp and not args.force:
         log(f"{site} already holds this carry ({len(wheels)} wheels)")
@@ -979,9 +1169,25 @@ def cmd_install(args: argparse.Namespace) -> None:
         t0 = time.time()
         new = store / "site.new"
         shutil.rmtree(new, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                        "--no-compile", "--no-cache-dir", "--disable-pip-version-check",
-                        "--target", str(new), *map(str, wheels)], check=True, stdout=sys.stderr)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--no-compile",
+                "--no-cache-dir",
+                "--disable-pip-version-check",
+                "--target",
+                str(new),
+                *map(str, wheels),
+            ],
+            check=True,
+            stdout=sys.stderr,
+        )
         write_atomic(new / ".gpu-carry-installed", json.dumps(stamp) + "\n")
         old = store / "site.old"
         shutil.rmtree(old, ignore_errors=True)
@@ -993,8 +1199,10 @@ def cmd_install(args: argparse.Namespace) -> None:
     checkout = Path(args.checkout).resolve()
     write_project_metadata(store, checkout)
     env = env_lines(store, checkout)
-    write_atomic(store / "env.sh", "# scripts/gpu_carry.py install: source it from any "
-                 "directory\n" + "\n".join(env) + "\n")
+    write_atomic(
+        store / "env.sh",
+        "# scripts/gpu_carry.py install: source it from any directory\n" + "\n".join(env) + "\n",
+    )
     print("\n".join(env))
     print(f"# or: . {store / 'env.sh'}")
 
@@ -1007,8 +1215,12 @@ def write_project_metadata(store: Path, checkout: Path) -> None:
     shutil.rmtree(meta, ignore_errors=True)
     meta.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", tmp],
-                              cwd=checkout, capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "setup.py", "-q", "egg_info", "--egg-base", tmp],
+            cwd=checkout,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr)
             die(f"`setup.py egg_info` failed in {checkout}")
@@ -1017,15 +1229,19 @@ def write_project_metadata(store: Path, checkout: Path) -> None:
     bindir = store / "bin"
     bindir.mkdir(exist_ok=True)
     script = bindir / "ascend-mepic"
-    script.write_text(f"#!{sys.executable}\nimport sys\n"
-                      "from ascend_mepic.entrypoints.cli import main\n\nsys.exit(main())\n")
+    script.write_text(
+        f"#!{sys.executable}\nimport sys\n"
+        "from ascend_mepic.entrypoints.cli import main\n\nsys.exit(main())\n"
+    )
     script.chmod(0o755)
 
 
 def env_lines(store: Path, checkout: Path) -> list[str]:
     path = [str(checkout), str(store / "site"), str(store / "meta")]
-    return [f"export PYTHONPATH={':'.join(path)}${{PYTHONPATH:+:$PYTHONPATH}}",
-            f"export PATH={store / 'bin'}:{store / 'site' / 'bin'}:$PATH"]
+    return [
+        f"export PYTHONPATH={':'.join(path)}${{PYTHONPATH:+:$PYTHONPATH}}",
+        f"export PATH={store / 'bin'}:{store / 'site' / 'bin'}:$PATH",
+    ]
 
 
 def store_env(store: Path, checkout: Path = ROOT) -> dict[str, str]:
@@ -1088,10 +1304,26 @@ START_PATH = (
 # Another platform's modules, which the start path imports only on that platform.
 OTHER_PLATFORMS = re.compile(r"\.(rocm|xpu|tpu|cpu|amd)(\.|$)|rocm_")
 CUDA_PATTERNS = (
-    "libcuda.so", "libcudart", "libnvrtc", "libnvidia-ml", "NVML", "nvml", "NVIDIA driver",
-    "not compiled with CUDA", "CUDA driver", "no CUDA GPUs", "No CUDA GPUs",
-    "CUDA is not available", "cuda is not available", "_C_stable_libtorch", "torch.ops._C",
-    "_moe_C", "_vllm_fa3_C", "_vllm_fa2_C", "cudaGetDeviceCount", "Found no NVIDIA",
+    "libcuda.so",
+    "libcudart",
+    "libnvrtc",
+    "libnvidia-ml",
+    "NVML",
+    "nvml",
+    "NVIDIA driver",
+    "not compiled with CUDA",
+    "CUDA driver",
+    "no CUDA GPUs",
+    "No CUDA GPUs",
+    "CUDA is not available",
+    "cuda is not available",
+    "_C_stable_libtorch",
+    "torch.ops._C",
+    "_moe_C",
+    "_vllm_fa3_C",
+    "_vllm_fa2_C",
+    "cudaGetDeviceCount",
+    "Found no NVIDIA",
 )
 
 
@@ -1151,7 +1383,8 @@ KNOWN_IMAGE_GAPS = {
 ORDER_ARTIFACTS = ("multiple times", "Duplicate op name", "partially initialized module")
 _INSTALL_HINT = re.compile(
     r"pip install ([A-Za-z0-9_.\-]+)|requires (?:the )?`?([A-Za-z0-9_\-]+)`?(?: package| to be "
-    r"installed)|([A-Za-z0-9_\-]+) is required for")
+    r"installed)|([A-Za-z0-9_\-]+) is required for"
+)
 
 
 def _dropped_from_wheel(module: str) -> str | None:
@@ -1198,8 +1431,11 @@ def classify(result: dict, requirements: set[str], providers: dict[str, list[str
         if result["module"] == prefix or result["module"].startswith(prefix + "."):
             return "known"
     m = re.search(r"cannot import name '([^']+)' from '([^']+)'", msg)
-    if etype == "ImportError" and m and m.group(2).split(".")[0] not in (
-            "vllm", "ascend_mepic", "cuda_fallback"):
+    if (
+        etype == "ImportError"
+        and m
+        and m.group(2).split(".")[0] not in ("vllm", "ascend_mepic", "cuda_fallback")
+    ):
         if any(p in msg for p in CUDA_PATTERNS):
             return "cuda"
         return "image-gap" if m.group(1) in KNOWN_IMAGE_GAPS else "VERSION"
@@ -1219,9 +1455,12 @@ def _worker(args: argparse.Namespace) -> None:
         try:
             _install_cuda_double()
         except Exception as exc:  # noqa: BLE001 - reported for every module
-            double_error = {"ok": False, "type": "DoubleFailed", "missing": None,
-                            "message": f"the CUDA platform double failed: "
-                                       f"{type(exc).__name__}: {exc}"}
+            double_error = {
+                "ok": False,
+                "type": "DoubleFailed",
+                "missing": None,
+                "message": f"the CUDA platform double failed: {type(exc).__name__}: {exc}",
+            }
     for line in sys.stdin:
         target = line.strip()
         if not target:
@@ -1253,8 +1492,14 @@ def _worker(args: argparse.Namespace) -> None:
                 if isinstance(cause, ModuleNotFoundError):
                     missing = cause.name
                 cause = cause.__cause__ or cause.__context__
-            res = {"module": target, "ok": False, "type": type(exc).__name__,
-                   "message": str(exc)[:500], "missing": missing, "trace": tb[-3000:]}
+            res = {
+                "module": target,
+                "ok": False,
+                "type": type(exc).__name__,
+                "message": str(exc)[:500],
+                "missing": missing,
+                "trace": tb[-3000:],
+            }
         res["seconds"] = round(time.time() - t0, 3)
         print(json.dumps(res), flush=True)
 
@@ -1297,8 +1542,9 @@ def _install_cuda_double() -> None:
             del sys.modules[name]
 
 
-def run_imports(python: str, targets: list[str], env: dict[str, str], double: bool,
-                per_module: float = 180.0) -> list[dict]:
+def run_imports(
+    python: str, targets: list[str], env: dict[str, str], double: bool, per_module: float = 180.0
+) -> list[dict]:
     """Import targets in order in worker processes of ``python``, one JSON line each; a worker
     that dies or spends over ``per_module`` seconds on one module is replaced, and that module
     reported."""
@@ -1313,8 +1559,15 @@ def run_imports(python: str, targets: list[str], env: dict[str, str], double: bo
         with tempfile.TemporaryFile("w+") as stdin:
             stdin.write("\n".join(todo) + "\n")
             stdin.seek(0)
-            proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL, env=env, text=True, cwd="/")
+            proc = subprocess.Popen(
+                cmd,
+                stdin=stdin,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env=env,
+                text=True,
+                cwd="/",
+            )
         done: list[dict] = []
         assert proc.stdout is not None
         while len(done) < len(todo):
@@ -1331,11 +1584,17 @@ def run_imports(python: str, targets: list[str], env: dict[str, str], double: bo
         proc.wait()
         proc.stdout.close()
         results += done
-        todo = todo[len(done):]
+        todo = todo[len(done) :]
         if todo:  # the worker died, or hung, on todo[0]
-            results.append({"module": todo[0], "ok": False, "type": "WorkerDied",
-                            "message": f"the importing process ended or hung (exit "
-                                       f"{proc.returncode})", "missing": None})
+            results.append(
+                {
+                    "module": todo[0],
+                    "ok": False,
+                    "type": "WorkerDied",
+                    "message": f"the importing process ended or hung (exit {proc.returncode})",
+                    "missing": None,
+                }
+            )
             todo = todo[1:]
     return results
 
@@ -1354,30 +1613,50 @@ def vllm_requirements(site: Path) -> set[str]:
     return reqs
 
 
-def import_check(store: Path, walk: bool, double: bool, checkout: Path = ROOT,
-                 python: str = sys.executable, env_extra: dict[str, str] | None = None) -> dict:
+def import_check(
+    store: Path,
+    walk: bool,
+    double: bool,
+    checkout: Path = ROOT,
+    python: str = sys.executable,
+    env_extra: dict[str, str] | None = None,
+) -> dict:
     site = store / "site"
     env = {**store_env(store, checkout), **(env_extra or {})}
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    lazy = [m for m in lazy_vllm_imports(site, START_PATH)
-            if m not in CORE_MODULES and not OTHER_PLATFORMS.search(m)]
+    lazy = [
+        m
+        for m in lazy_vllm_imports(site, START_PATH)
+        if m not in CORE_MODULES and not OTHER_PLATFORMS.search(m)
+    ]
     targets = list(CORE_MODULES) + lazy
     t0 = time.time()
     core = run_imports(python, targets, env, double)
     walked = run_imports(python, all_vllm_modules(site), env, double) if walk else []
     requirements = vllm_requirements(site)
     probe = subprocess.run(
-        [python, "-c", "import json, importlib.metadata as m; "
-         "print(json.dumps(m.packages_distributions()))"],
-        env=env, capture_output=True, text=True, check=True)
+        [
+            python,
+            "-c",
+            "import json, importlib.metadata as m; print(json.dumps(m.packages_distributions()))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     providers = json.loads(probe.stdout)
     # Failures that may come from the walk's order: all again in one fresh process, then those
     # still failing so one by one.
     for batch in (True, False):
-        redo = [i for i, r in enumerate(walked) if not r["ok"]
-                and any(p in (r.get("message") or "") for p in ORDER_ARTIFACTS)
-                and r.get("retried", 0) < (1 if batch else 2)]
+        redo = [
+            i
+            for i, r in enumerate(walked)
+            if not r["ok"]
+            and any(p in (r.get("message") or "") for p in ORDER_ARTIFACTS)
+            and r.get("retried", 0) < (1 if batch else 2)
+        ]
         groups = [redo] if batch else [[i] for i in redo]
         for group in groups:
             if not group:
@@ -1388,8 +1667,13 @@ def import_check(store: Path, walk: bool, double: bool, checkout: Path = ROOT,
                 walked[i] = r
     for r in core + walked:
         r["class"] = classify(r, requirements, providers)
-    return {"core": core, "lazy": lazy, "walk": walked, "seconds": round(time.time() - t0, 1),
-            "double": double}
+    return {
+        "core": core,
+        "lazy": lazy,
+        "walk": walked,
+        "seconds": round(time.time() - t0, 1),
+        "double": double,
+    }
 
 
 FAILING = ("MISSING", "VERSION", "OTHER")
@@ -1415,19 +1699,28 @@ def summarize(report: dict, out=sys.stdout) -> int:
         counts: dict[str, int] = {}
         for r in results:
             counts[r["class"]] = counts.get(r["class"], 0) + 1
-        label = ("start path (core targets and the vllm modules their functions import)"
-                 if section == "core" else "every vllm module")
-        print(f"{label}: {len(results)} imported: " + ", ".join(
-            f"{k} {v}" for k, v in sorted(counts.items())), file=out)
+        label = (
+            "start path (core targets and the vllm modules their functions import)"
+            if section == "core"
+            else "every vllm module"
+        )
+        print(
+            f"{label}: {len(results)} imported: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+            file=out,
+        )
         for r in results:
-            bad = r["class"] in FAILING or (section == "core" and r["class"] not in (
-                "ok", "cuda", "dropped", "slimmed"))
+            bad = r["class"] in FAILING or (
+                section == "core" and r["class"] not in ("ok", "cuda", "dropped", "slimmed")
+            )
             if r["class"] == "ok" or (section == "walk" and not bad):
                 continue
             failures += bad
-            print(f"  [{'FAIL' if bad else 'expected'}: {r['class']}] {r['module']}: {r['type']}: "
-                  f"{(r.get('message') or '').splitlines()[0][:160] if r.get('message') else ''}",
-                  file=out)
+            print(
+                f"  [{'FAIL' if bad else 'expected'}: {r['class']}] {r['module']}: {r['type']}: "
+                f"{(r.get('message') or '').splitlines()[0][:160] if r.get('message') else ''}",
+                file=out,
+            )
         if section == "walk":
             groups: dict[str, list[str]] = {}
             for r in results:
@@ -1443,8 +1736,10 @@ def summarize(report: dict, out=sys.stdout) -> int:
                 groups.setdefault(key, []).append(r["module"])
             for key, mods in sorted(groups.items()):
                 cls = key.split(" ")[0]
-                print(f"  {key}: {len(mods)} modules ({EXPLAINED[cls]}), e.g. "
-                      f"{', '.join(mods[:3])}", file=out)
+                print(
+                    f"  {key}: {len(mods)} modules ({EXPLAINED[cls]}), e.g. {', '.join(mods[:3])}",
+                    file=out,
+                )
             for name, why in KNOWN_IMAGE_GAPS.items():
                 if any(name in (r.get("message") or "") for r in results):
                     print(f"  note: {name}: {why}", file=out)
@@ -1476,10 +1771,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
     tree = working_tree_bytes()
     ready = "scripts/gpu_carry.sh install >/dev/null && . /tmp/mepic-carry/env.sh && "
     bench_data = "results/gpu_engine_bench"
-    print(f"# carry {manifest['carry_id']}: {len(parts)} parts, then the work; issue the calls "
-          "back to back (the machine keeps\n# /tmp about 30 s after a call; if a call says "
-          "parts are missing, the machine was replaced:\n# send those parts again). Estimated "
-          "device time: about 15 minutes with the machine's start.")
+    print(
+        f"# carry {manifest['carry_id']}: {len(parts)} parts, then the work; issue the calls "
+        "back to back (the machine keeps\n# /tmp about 30 s after a call; if a call says "
+        "parts are missing, the machine was replaced:\n# send those parts again). Estimated "
+        "device time: about 15 minutes with the machine's start."
+    )
     for i, part in enumerate(parts, 1):
         size = sum(p["size"] for p in manifest["parts"][part])
         cmd = "scripts/gpu_carry.sh receive .gpu-carry/part*"
@@ -1489,15 +1786,19 @@ def cmd_plan(args: argparse.Namespace) -> None:
             cmd = f"nvidia-smi -L; {cmd}; CONTEXTS='8192 32768' scripts/gpu_kernels.sh bench ncu"
             timeout = 420
         if i == len(parts):
-            cmd += (" && scripts/gpu_carry.sh install && scripts/gpu_carry.sh check && "
-                    ". /tmp/mepic-carry/env.sh && ascend-mepic bench engine --device cuda "
-                    f"--model {bench_data}/mistral7b-dummy --workload {bench_data}/squad_quick.json"
-                    " --policy-timeout 150 --out $OUT/engine_bench; "
-                    "scripts/gpu_kernels.sh flashinfer")
+            cmd += (
+                " && scripts/gpu_carry.sh install && scripts/gpu_carry.sh check && "
+                ". /tmp/mepic-carry/env.sh && ascend-mepic bench engine --device cuda "
+                f"--model {bench_data}/mistral7b-dummy --workload {bench_data}/squad_quick.json"
+                " --policy-timeout 150 --out $OUT/engine_bench; "
+                "scripts/gpu_kernels.sh flashinfer"
+            )
             carry.append(bench_data)
             timeout = 540
-        print(f"run(command={cmd!r}, carry={carry!r}, timeout_s={timeout})  "
-              f"# uploads {mib(size + tree)} plus any carried data")
+        print(
+            f"run(command={cmd!r}, carry={carry!r}, timeout_s={timeout})  "
+            f"# uploads {mib(size + tree)} plus any carried data"
+        )
     tests = "make test-gpu GPU_PY=python3 GPU_PYTEST_ARGS='-n 8'"
     print(f"run(command={ready + tests!r}, timeout_s=600)")
     print("# if time is left: the launch sweep on the new kernels")
@@ -1508,15 +1809,31 @@ def cmd_plan(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------
 # rehearse: the GPU side in a clean Python 3.12 with the image's packages
 
-REHEARSE_PYTHON = Path(os.environ.get(
-    "MEPIC_REHEARSE_PYTHON", Path.home() / ".pyenv" / "versions" / "3.12.1" / "bin" / "python"))
+REHEARSE_PYTHON = Path(
+    os.environ.get(
+        "MEPIC_REHEARSE_PYTHON", Path.home() / ".pyenv" / "versions" / "3.12.1" / "bin" / "python"
+    )
+)
 # Image packages installed in the rehearsal's base besides those vLLM's closure constrains.
 REHEARSE_EXTRA = ("numba", "pytest", "pytest-xdist", "setuptools", "wheel", "packaging")
-STUB_SYMBOLS = ("cuGetProcAddress_v2", "cuPointerGetAttribute", "cuTensorMapEncodeTiled",
-                "cuCtxGetCurrent", "cuCtxSetCurrent", "cuDeviceGetAttribute",
-                "cuDevicePrimaryCtxRetain", "cuGetErrorString", "cuMemAddressFree",
-                "cuMemAddressReserve", "cuMemCreate", "cuMemGetAllocationGranularity", "cuMemMap",
-                "cuMemRelease", "cuMemSetAccess", "cuMemUnmap")
+STUB_SYMBOLS = (
+    "cuGetProcAddress_v2",
+    "cuPointerGetAttribute",
+    "cuTensorMapEncodeTiled",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuDeviceGetAttribute",
+    "cuDevicePrimaryCtxRetain",
+    "cuGetErrorString",
+    "cuMemAddressFree",
+    "cuMemAddressReserve",
+    "cuMemCreate",
+    "cuMemGetAllocationGranularity",
+    "cuMemMap",
+    "cuMemRelease",
+    "cuMemSetAccess",
+    "cuMemUnmap",
+)
 
 
 def base_requirements(manifest: dict) -> list[str]:
@@ -1542,13 +1859,18 @@ def ensure_base(manifest: dict) -> Path:
     if not REHEARSE_PYTHON.exists():
         die(f"no Python 3.12 at {REHEARSE_PYTHON} (MEPIC_REHEARSE_PYTHON picks another)")
     shutil.rmtree(venv, ignore_errors=True)
-    log(f"building the rehearsal's image-like base in {venv} (torch 2.11.0 with its CUDA "
-        "libraries from PyPI, as on the image: about 3 GB, once)")
+    log(
+        f"building the rehearsal's image-like base in {venv} (torch 2.11.0 with its CUDA "
+        "libraries from PyPI, as on the image: about 3 GB, once)"
+    )
     subprocess.run([str(REHEARSE_PYTHON), "-m", "venv", str(venv)], check=True)
     req_file = REHEARSE_DIR / "base-requirements.txt"
     req_file.write_text("\n".join(reqs) + "\n")
-    subprocess.run([find_uv(), "pip", "install", "-q", "--python", str(py), "-r",
-                    str(req_file)], check=True, stdout=sys.stderr)
+    subprocess.run(
+        [find_uv(), "pip", "install", "-q", "--python", str(py), "-r", str(req_file)],
+        check=True,
+        stdout=sys.stderr,
+    )
     stamp.write_text(key)
     return py
 
@@ -1563,14 +1885,19 @@ def build_libcuda_stub(dest: Path) -> Path | None:
     src = dest / "libcuda_stub.c"
     src.write_text("".join(f"int {s}(void) {{ return 999; }}\n" for s in STUB_SYMBOLS))
     lib = dest / "libcuda.so.1"
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), "-Wl,-soname,libcuda.so.1",
-                    str(src)], check=True)
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-o", str(lib), "-Wl,-soname,libcuda.so.1", str(src)], check=True
+    )
     return dest
 
 
-ABI_MODULES = ("vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch",
-               "vllm.vllm_flash_attn._vllm_fa3_C", "vllm.cumem_allocator",
-               "vllm._rust_tool_parser")
+ABI_MODULES = (
+    "vllm._C_stable_libtorch",
+    "vllm._moe_C_stable_libtorch",
+    "vllm.vllm_flash_attn._vllm_fa3_C",
+    "vllm.cumem_allocator",
+    "vllm._rust_tool_parser",
+)
 
 
 def abi_check(py: Path, store: Path) -> list[tuple[str, str]]:
@@ -1581,13 +1908,14 @@ def abi_check(py: Path, store: Path) -> list[tuple[str, str]]:
         return [("all", "skipped: no C compiler for the libcuda stub")]
     env = store_env(store)
     env["LD_LIBRARY_PATH"] = f"{stub}:{env.get('LD_LIBRARY_PATH', '')}"
-    code = ("import importlib, json, sys, torch\nsys.setdlopenflags(2 | 256)\nout = []\n"
-            f"for m in {list(ABI_MODULES)!r}:\n"
-            "    try:\n        importlib.import_module(m); out.append((m, 'loaded'))\n"
-            "    except Exception as e:\n        out.append((m, f'{type(e).__name__}: {e}'))\n"
-            "print(json.dumps(out))\n")
-    proc = subprocess.run([str(py), "-c", code], env=env, capture_output=True, text=True,
-                          cwd="/")
+    code = (
+        "import importlib, json, sys, torch\nsys.setdlopenflags(2 | 256)\nout = []\n"
+        f"for m in {list(ABI_MODULES)!r}:\n"
+        "    try:\n        importlib.import_module(m); out.append((m, 'loaded'))\n"
+        "    except Exception as e:\n        out.append((m, f'{type(e).__name__}: {e}'))\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = subprocess.run([str(py), "-c", code], env=env, capture_output=True, text=True, cwd="/")
     if proc.returncode != 0:
         return [("all", f"the loading process failed: {proc.stderr[-500:]}")]
     return [tuple(x) for x in json.loads(proc.stdout.strip().splitlines()[-1])]
@@ -1601,8 +1929,9 @@ def _script(py: Path, *args: str, store: Path) -> subprocess.CompletedProcess:
 
 def cmd_rehearse(args: argparse.Namespace) -> None:
     t0 = time.time()
-    if not (CARRY_DIR / "manifest.json").exists() or load_manifest(
-            CARRY_DIR / "manifest.json").get("lock_sha256") != sha256_file(LOCK):
+    if not (CARRY_DIR / "manifest.json").exists() or load_manifest(CARRY_DIR / "manifest.json").get(
+        "lock_sha256"
+    ) != sha256_file(LOCK):
         log("parts missing or older than the lock: preparing")
         cmd_prepare(argparse.Namespace(part_mib=PART_LIMIT // MIB))
     manifest = load_manifest(CARRY_DIR / "manifest.json")
@@ -1617,18 +1946,27 @@ def cmd_rehearse(args: argparse.Namespace) -> None:
 
     parts = sorted(manifest["parts"], key=_parts_order)
     r = _script(py, "install", store=store)
-    expect("install refuses before any part arrived", r.returncode == 2,
-           (r.stdout + r.stderr).strip().splitlines()[-1])
+    expect(
+        "install refuses before any part arrived",
+        r.returncode == 2,
+        (r.stdout + r.stderr).strip().splitlines()[-1],
+    )
     t_recv = time.time()
     for part in parts[:-1]:
         r = _script(py, "receive", str(CARRY_DIR / part), store=store)
         expect(f"receive {part}", r.returncode == 0, r.stdout.strip().splitlines()[-1])
     r = _script(py, "install", store=store)
-    expect(f"install refuses while {parts[-1]} is missing",
-           r.returncode == 2 and parts[-1] in r.stdout, r.stdout.strip().splitlines()[-1])
+    expect(
+        f"install refuses while {parts[-1]} is missing",
+        r.returncode == 2 and parts[-1] in r.stdout,
+        r.stdout.strip().splitlines()[-1],
+    )
     r = _script(py, "receive", *[str(CARRY_DIR / p) for p in parts], store=store)
-    expect("receive of every part again, the last one new (idempotent)",
-           r.returncode == 0 and "missing none" in r.stdout, r.stdout.strip().splitlines()[0])
+    expect(
+        "receive of every part again, the last one new (idempotent)",
+        r.returncode == 0 and "missing none" in r.stdout,
+        r.stdout.strip().splitlines()[0],
+    )
     t_recv = time.time() - t_recv
     t_inst = time.time()
     r = _script(py, "install", store=store)
@@ -1642,21 +1980,30 @@ def cmd_rehearse(args: argparse.Namespace) -> None:
     # vllm/platforms/cuda.py loads vLLM's compiled ops at import: with the failing libcuda stub
     # they load here too (the ABI check above), so the walk sees what a GPU machine imports.
     stub = {"LD_LIBRARY_PATH": str(REHEARSE_DIR / "libcuda-stub")}
-    report = import_check(store, walk=not args.no_walk, double=True, python=str(py),
-                          env_extra=stub)
-    genuine = run_imports(str(py), ["vllm:LLM", "vllm.v1.engine.core", "ascend_mepic.plugin"],
-                          {**store_env(store), "VLLM_LOGGING_LEVEL": "ERROR"}, double=False)
+    report = import_check(store, walk=not args.no_walk, double=True, python=str(py), env_extra=stub)
+    genuine = run_imports(
+        str(py),
+        ["vllm:LLM", "vllm.v1.engine.core", "ascend_mepic.plugin"],
+        {**store_env(store), "VLLM_LOGGING_LEVEL": "ERROR"},
+        double=False,
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     print(f"import check in {py} with vLLM's CUDA platform reporting an H200 (no driver here):")
     failures = summarize(report)
-    print("without the platform double (as this machine resolves it): " + ", ".join(
-        f"{r['module']} {'ok' if r['ok'] else r['type'] + ': ' + r['message'][:120]}"
-        for r in genuine))
+    print(
+        "without the platform double (as this machine resolves it): "
+        + ", ".join(
+            f"{r['module']} {'ok' if r['ok'] else r['type'] + ': ' + r['message'][:120]}"
+            for r in genuine
+        )
+    )
     expect("no import fails on a missing or mismatched package", failures == 0)
-    print(f"rehearsal: {sum(ok for _, ok in checks)}/{len(checks)} checks passed; receive "
-          f"{t_recv:.1f} s, install {t_inst:.1f} s, import check {report['seconds']} s, total "
-          f"{time.time() - t0:.0f} s")
+    print(
+        f"rehearsal: {sum(ok for _, ok in checks)}/{len(checks)} checks passed; receive "
+        f"{t_recv:.1f} s, install {t_inst:.1f} s, import check {report['seconds']} s, total "
+        f"{time.time() - t0:.0f} s"
+    )
     raise SystemExit(0 if all(ok for _, ok in checks) else 1)
 
 
@@ -1688,9 +2035,16 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("install", "check"):
         sub.choices[name].add_argument("--checkout", default=str(ROOT))
     args = parser.parse_args(argv)
-    {"lock": cmd_lock, "prepare": cmd_prepare, "receive": cmd_receive, "install": cmd_install,
-     "check": cmd_check, "plan": cmd_plan, "rehearse": cmd_rehearse,
-     "_import-worker": _worker}[args.cmd](args)
+    {
+        "lock": cmd_lock,
+        "prepare": cmd_prepare,
+        "receive": cmd_receive,
+        "install": cmd_install,
+        "check": cmd_check,
+        "plan": cmd_plan,
+        "rehearse": cmd_rehearse,
+        "_import-worker": _worker,
+    }[args.cmd](args)
 
 
 if __name__ == "__main__":

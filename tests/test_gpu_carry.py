@@ -36,9 +36,17 @@ def _files(tmp_path: Path, sizes: dict[str, int]) -> list[dict]:
         path = tmp_path / "src" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-        out.append({"name": name, "path": str(path), "size": size, "role": "carry",
-                    "dist": name.split("-")[0], "version": "1",
-                    "sha256": hashlib.sha256(data).hexdigest()})
+        out.append(
+            {
+                "name": name,
+                "path": str(path),
+                "size": size,
+                "role": "carry",
+                "dist": name.split("-")[0],
+                "version": "1",
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        )
     return out
 
 
@@ -71,8 +79,9 @@ def test_parts_fit_and_join_back(carry, parts, capsys):
     with pytest.raises(SystemExit) as refused:  # nothing received yet
         _install(carry, store)
     assert refused.value.code == 2
-    carry.cmd_receive(argparse.Namespace(parts=[str(out / "part1"), str(out / "part3")],
-                                         store=store))
+    carry.cmd_receive(
+        argparse.Namespace(parts=[str(out / "part1"), str(out / "part3")], store=store)
+    )
     assert "missing part2" in capsys.readouterr().out
     with pytest.raises(SystemExit) as refused:
         _install(carry, store)
@@ -100,8 +109,9 @@ def test_receive_refuses_a_corrupt_piece(carry, parts):
 
 def test_install_refuses_a_corrupted_file_and_names_its_parts(carry, parts, capsys):
     _, manifest, out, store = parts
-    carry.cmd_receive(argparse.Namespace(parts=[str(out / n) for n in manifest["parts"]],
-                                         store=store))
+    carry.cmd_receive(
+        argparse.Namespace(parts=[str(out / n) for n in manifest["parts"]], store=store)
+    )
     target = store / "files" / "big-1.whl"
     target.write_bytes(b"x" + target.read_bytes()[1:])
     capsys.readouterr()
@@ -116,8 +126,12 @@ def test_install_refuses_a_corrupted_file_and_names_its_parts(carry, parts, caps
 def test_a_new_carry_replaces_the_old_one_in_the_store(carry, parts, tmp_path):
     files, manifest, out, store = parts
     carry.cmd_receive(argparse.Namespace(parts=[str(out / "part1")], store=store))
-    other = carry.build_parts(_files(tmp_path / "other", {"z-1.whl": 100}), tmp_path / "o2",
-                              limit=48 * 1024, room=8 * 1024)
+    other = carry.build_parts(
+        _files(tmp_path / "other", {"z-1.whl": 100}),
+        tmp_path / "o2",
+        limit=48 * 1024,
+        room=8 * 1024,
+    )
     assert other["carry_id"] != manifest["carry_id"]
     carry.cmd_receive(argparse.Namespace(parts=[str(tmp_path / "o2" / "part1")], store=store))
     assert sorted(p.name for p in (store / "files").iterdir()) == ["z-1.whl"]
@@ -145,9 +159,12 @@ def test_slim_wheel_drops_members_and_their_record_lines(carry, tmp_path):
     with zipfile.ZipFile(dest) as z:
         assert z.testzip() is None
         kept = set(z.namelist())
-        assert kept == {"vllm/__init__.py", "vllm/third_party/pynvml.py",
-                        "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
-                        "vllm-0.30.0.dist-info/RECORD"}
+        assert kept == {
+            "vllm/__init__.py",
+            "vllm/third_party/pynvml.py",
+            "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
+            "vllm-0.30.0.dist-info/RECORD",
+        }
         assert z.read("vllm/__init__.py") == members["vllm/__init__.py"]
         lines = z.read("vllm-0.30.0.dist-info/RECORD").decode().splitlines()
         assert {line.split(",")[0] for line in lines} == kept
@@ -164,7 +181,9 @@ def test_lock_lines_parse(carry, tmp_path):
     )
     entries = carry.read_lock(lock)
     assert [(e.name, e.role, e.spec) for e in entries] == [
-        ("vllm", "vllm", ""), ("aiohttp", "fallback", ">=3.13.3")]
+        ("vllm", "vllm", ""),
+        ("aiohttp", "fallback", ">=3.13.3"),
+    ]
     assert entries[1].line().startswith("aiohttp==3.14.5 --hash=sha256:")
     assert carry.lock_image_packages(lock) == ["numpy", "torch"]
 
@@ -174,8 +193,9 @@ def test_import_failures_are_classified(carry):
     providers = {"zmq": ["pyzmq"], "transformers": ["transformers"]}
 
     def c(**kw):
-        return carry.classify({"module": "vllm.x", "ok": False, "message": "", **kw}, reqs,
-                              providers)
+        return carry.classify(
+            {"module": "vllm.x", "ok": False, "message": "", **kw}, reqs, providers
+        )
 
     assert c(type="ModuleNotFoundError", missing="pydantic") == "MISSING"
     assert c(type="ModuleNotFoundError", missing="zmq.asyncio") == "MISSING"
@@ -183,12 +203,23 @@ def test_import_failures_are_classified(carry):
     assert c(type="ModuleNotFoundError", missing="ray") == "optional"
     assert c(type="ModuleNotFoundError", missing="vllm.third_party.deep_gemm") == "slimmed"
     assert c(type="ModuleNotFoundError", missing="vllm._flashmla_C") == "slimmed"
-    assert c(type="ImportError", message="tilelang is required for mhc but is not installed. "
-             "Install it with `pip install tilelang`.") == "dropped"
+    assert (
+        c(
+            type="ImportError",
+            message="tilelang is required for mhc but is not installed. "
+            "Install it with `pip install tilelang`.",
+        )
+        == "dropped"
+    )
     assert c(type="ImportError", message="needs it: pip install pydantic") == "MISSING"
     assert c(type="ModuleNotFoundError", missing="transformers.models.x") == "VERSION"
-    assert c(type="ImportError", message="cannot import name 'Foo' from 'transformers' "
-             "(/x/transformers/__init__.py)") == "VERSION"
+    assert (
+        c(
+            type="ImportError",
+            message="cannot import name 'Foo' from 'transformers' (/x/transformers/__init__.py)",
+        )
+        == "VERSION"
+    )
     assert c(type="ImportError", message="libcuda.so.1: cannot open shared object file") == "cuda"
     assert c(type="RuntimeError", message="Found no NVIDIA driver on your system") == "cuda"
     assert c(type="ValueError", message="something else") == "OTHER"
