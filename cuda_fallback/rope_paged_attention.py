@@ -461,16 +461,20 @@ def launch_config(
 
     Prefill with heads padded to 128 columns or more takes 8 warps: with 4, every such tile
     spilled once its loads were pipelined (4-412 bytes on sm_90a / sm_80; with 8 none do,
-    ``make test-cuda-compile``). Chosen by the compiler's report, not yet timed on a GPU.
+    ``make test-cuda-compile``); so do 64 x 64 tiles of 64-column heads, which spilled 4 bytes
+    on sm_80 under Triton 3.6 with 4. Decode with heads of 64 columns takes 32-key tiles: with 64,
+    Triton 3.6 (the GPU test machine's, torch 2.11's pin) capped it at 168 registers and spilled
+    4-12 bytes on sm_90a, where Triton 3.9 (this lock's) did not. Chosen by the compiler's
+    report, not yet timed on a GPU.
     """
     if INTERPRETED:
         return Launch(64, 128, 4, 2)
-    if decode:
-        return Launch(64, 64, 2, 3)
-    warps = 8 if pow2_at_least(head_size, 16) >= 128 else 4
+    wide = pow2_at_least(head_size, 16) >= 128
+    if decode:  # heads of 64 columns: 32-key tiles (64 spilled 4-12 bytes under Triton 3.6)
+        return Launch(64, 64 if wide else 32, 2, 3)
     if block_size >= 64 and max_query_len >= 1024:
-        return Launch(128, 32, warps, 2)
-    return Launch(64, 64, warps, 2)
+        return Launch(128, 32, 8 if wide else 4, 2)
+    return Launch(64, 64, 8, 2)
 
 
 def prefill_queries_per_tile(block_m: int, group: int) -> int:
