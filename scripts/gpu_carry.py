@@ -1771,6 +1771,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
     tree = working_tree_bytes()
     ready = "scripts/gpu_carry.sh install >/dev/null && . /tmp/mepic-carry/env.sh && "
     bench_data = "results/gpu_engine_bench"
+    if not (ROOT / bench_data / "squad_quick.json").exists():
+        print(
+            f"# {bench_data} is missing: make it here first (docs/cuda.md, the 7B engine "
+            "benchmark):\n#   .venv/bin/ascend-mepic prepare --model mistral7b-dummy --out "
+            f"{bench_data}/mistral7b-dummy\n#   .venv/bin/ascend-mepic bench engine --model "
+            f"{bench_data}/mistral7b-dummy --save-workload {bench_data}/squad_quick.json"
+        )
     print(
         f"# carry {manifest['carry_id']}: {len(parts)} parts, then the work; issue the calls "
         "back to back (the machine keeps\n# /tmp about 30 s after a call; if a call says "
