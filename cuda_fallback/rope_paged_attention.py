@@ -122,7 +122,7 @@ def _load_halves(
 
 
 @triton.jit
-def _attend_kv(
+def _attend_tiles(
     q1,
     q2,
     q_idx,
@@ -168,7 +168,7 @@ def _attend_kv(
     ``BLOCK_N <= B``, several whole blocks otherwise, so the tile size does not depend on ``B``.
     Within a tile, slots that are not real keys are masked, not branched around, so the loads
     stay asynchronous and pipelined. ``CAUSAL=False`` is for tiles wholly
-    before every row's padded index (the caller splits the range at the diagonal): only the
+    before every row's padded index (``_attend_kv`` splits the range at the diagonal): only the
     real-key mask is applied there, not the per-row causal compare.
     """
     n = tl.arange(0, BLOCK_N)
@@ -210,6 +210,35 @@ def _attend_kv(
             acc += tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_kv(
+    q1, q2, q_idx, m_i, l_i, acc, seq, nb, tiles_row, tile_lo, free, tile_hi,
+    k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, k_off, v_off,
+    block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
+    cos_sin_ptr, stride_cs,
+    B: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+    D: tl.constexpr, D_P: tl.constexpr, IS_NEOX: tl.constexpr, APPLY_ROPE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """The listed tiles ``[tile_lo, tile_hi)`` in two loops split at list position ``free``:
+    before it, tiles wholly before every row's padded index (no causal compare); from it on,
+    the tiles the diagonal crosses."""
+    m_i, l_i, acc = _attend_tiles(
+        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tiles_row, tile_lo, free,
+        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, k_off, v_off,
+        block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
+        cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
+        False,
+    )  # fmt: skip
+    return _attend_tiles(
+        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tiles_row, free, tile_hi,
+        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, k_off, v_off,
+        block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
+        cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
+        True,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -294,21 +323,12 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
-    k_off = kv_head * stride_kh
-    v_off = kv_head * stride_vh
     m_i, l_i, acc = _attend_kv(
-        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tiles_row, 0, free,
-        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, k_off, v_off,
+        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tiles_row, 0, free, num_tiles,
+        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
+        kv_head * stride_kh, kv_head * stride_vh,
         block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
         cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
-        False,
-    )  # fmt: skip
-    m_i, l_i, acc = _attend_kv(
-        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tiles_row, free, num_tiles,
-        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, k_off, v_off,
-        block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
-        cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
-        True,
     )  # fmt: skip
     out = normalize(acc, l_i)
     d = tl.arange(0, D_P)
@@ -406,21 +426,12 @@ def _decode_kernel(
     # Every tile but the one holding the query's own padded index is wholly before it.
     free = tl.load(rank_row + tl.minimum((tl.max(q_idx, 0) + 1) // BLOCK_N, num_tiles))
     free = tl.minimum(tl.maximum(free, tile_lo), tile_hi)
-    k_off = kv_head * stride_kh
-    v_off = kv_head * stride_vh
     m_i, l_i, acc = _attend_kv(
-        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tiles_row, tile_lo, free,
-        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, k_off, v_off,
+        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tiles_row, tile_lo, free, tile_hi,
+        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs,
+        kv_head * stride_kh, kv_head * stride_vh,
         block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
         cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
-        False,
-    )  # fmt: skip
-    m_i, l_i, acc = _attend_kv(
-        q1, q2, q_idx, m_i, l_i, acc, seq, nb, tiles_row, free, tile_hi,
-        k_ptr, v_ptr, stride_kb, stride_ks, stride_vb, stride_vs, k_off, v_off,
-        block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr, stride_bt,
-        cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, APPLY_ROPE, DOT_FP32,
-        True,
     )  # fmt: skip
     out = normalize(acc, l_i)
     d = tl.arange(0, D_P)
