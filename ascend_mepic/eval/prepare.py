@@ -522,21 +522,26 @@ _NORM_NOISE = 0.1
 _BIAS_NOISE = 0.1
 
 
+def _tokenizer_values(spec: ReducedModel, tokenizer: Any, dtype: str) -> dict[str, Any]:
+    """The config values a model built here takes from its tokenizer (vocabulary size, special
+    ids), its architecture and its weights' dtype."""
+    return dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=[spec.architecture],
+        dtype=dtype,
+    )
+
+
 def _build_reduced(out: Path, model_id: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     spec = REDUCED_ARCHITECTURES[model_id]
     tokenizer = _tiny_tokenizer()
-    values = spec.config_values()
-    values.update(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        architectures=[spec.architecture],
-        dtype="float32",
-    )
+    values = {**spec.config_values(), **_tokenizer_values(spec, tokenizer, "float32")}
     config = AutoConfig.for_model(spec.model_type, **values)
     # Private RNG state, seeded per model: the same bytes on every build.
     with torch.random.fork_rng(devices=[]):
@@ -606,15 +611,7 @@ def dummy_config_values(name: str, tokenizer: Any, layers: int | None = None) ->
     vocabulary size and special ids, and ``layers`` decoder layers if given (a shallower copy
     for a CPU rehearsal: every layer keeps the published shape)."""
     spec = REDUCED_ARCHITECTURES[DUMMY_MODELS[name]]
-    values = copy.deepcopy(spec.published)
-    values.update(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        architectures=[spec.architecture],
-        dtype="bfloat16",
-    )
+    values = {**copy.deepcopy(spec.published), **_tokenizer_values(spec, tokenizer, "bfloat16")}
     if layers is not None:
         if layers < 1:
             raise ValueError(f"a model needs at least one layer, not {layers}")
