@@ -4,7 +4,7 @@ This follows the convention vllm-ascend uses for its own options. With no ``mepi
 ``"enabled": false``, nothing of vLLM changes. The options are one pydantic model (as vLLM's own
 configs are), validated once when the config is built and frozen after: an unknown key, a wrong
 type (``"false"`` is not a bool) or an out-of-range value fails there, naming the field and what
-it accepts. The server, ``mepic_llm_kwargs`` and the engine hook all build it. The README's option
+it accepts. The server, ``mepic_llm_kwargs`` and the engine hook all build it. The option
 table is generated from the fields below (``scripts/mepic_options.py``).
 """
 

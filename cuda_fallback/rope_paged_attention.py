@@ -55,9 +55,9 @@ Status: tested on CPU under ``TRITON_INTERPRET=1`` (``tests/ops/test_triton.py``
 K/V loads sat under a data-dependent branch, ran on one H100 (``tests/gpu/test_gpu_kernels.py``;
 timings by ``benchmarks/ops/bench_triton_gpu.py``, docs/results.md); **this version is untested
 on a GPU**, as are its GQA-packed prefill rows, the causal-free loop and the KV tile list.
-``benchmarks/ops/bench_triton_gpu.py`` times it against that earlier version
-(``benchmarks/ops/legacy_kernel.py``), SDPA and FlashInfer on one card; ``scripts/gpu_kernels.sh``
-runs everything a GPU lease should. Not run inside vLLM on a GPU.
+``benchmarks/ops/bench_triton_gpu.py`` times it against SDPA and FlashInfer on one card;
+``scripts/gpu_kernels.sh`` runs the GPU tests, the benchmark, Nsight Compute and the launch sweep
+in one go. Not run inside vLLM on a GPU.
 """
 
 from __future__ import annotations

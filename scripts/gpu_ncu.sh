@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Nsight Compute counters of the fused-RoPE Triton kernels beside the old kernel, SDPA (flash),
-# the rotate-into-scratch step and FlashInfer's ROPE_LLAMA decode, on a CUDA GPU (issue 49,
-# deliverable 3): DRAM throughput as a share of peak, local-memory loads, tensor-pipe activity.
+# Nsight Compute counters of the fused-RoPE Triton kernels beside SDPA (flash), the
+# rotate-into-scratch step and FlashInfer's ROPE_LLAMA decode, on a CUDA GPU: DRAM throughput as
+# a share of peak, local-memory loads, tensor-pipe activity.
 # UNTESTED ON A GPU: written on a machine without one.
 #   scripts/gpu_ncu.sh [OUTDIR]        (GPU_PY picks the Python; default python3)
 # Writes OUTDIR/ncu.csv (the raw report) and OUTDIR/ncu.md (one row per kernel launch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_PY:-python3}
-OUTDIR=${1:-${OUT:-/tmp/mepic-ncu}}
+OUTDIR=${1:-results/gpu-kernels}
 mkdir -p "$OUTDIR"
 NCU=${NCU:-$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1 || true)}
 [ -x "$NCU" ] || { echo "gpu_ncu.sh: no ncu found (set NCU=/path/to/ncu)" >&2; exit 2; }

@@ -291,27 +291,27 @@ def test_links_between_docs_resolve():
 
 
 def test_options_table_is_generated_from_the_option_models():
-    """The README's option table is scripts/mepic_options.py's output, read from the pydantic
+    """docs/options.md's option table is scripts/mepic_options.py's output, read from the pydantic
     models the options are validated by (``MepicConfig``, ``TierConfig``)."""
     import runpy
 
     script = runpy.run_path(str(REPO / "scripts" / "mepic_options.py"))
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert script["readme_section"](readme) == script["render"](), (
-        "README.md's option table differs from the option models: run "
+    doc = (REPO / "docs" / "options.md").read_text(encoding="utf-8")
+    assert script["doc_section"](doc) == script["render"](), (
+        "docs/options.md's option table differs from the option models: run "
         "`.venv/bin/python scripts/mepic_options.py --write`"
     )
 
 
 def test_supported_models_table_is_generated_from_the_tests():
-    """The README's supported/refused model tables are scripts/supported_models.py's output,
+    """docs/models.md's supported/refused model tables are scripts/supported_models.py's output,
     which reads the package's support matrix (what tests/engine/test_real_geometry.py checks) and
     tests/core/test_unsupported_models.py's examples."""
     import runpy
 
     script = runpy.run_path(str(REPO / "scripts" / "supported_models.py"))
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert script["readme_section"](readme) == script["render"](), (
-        "README.md's supported-models section differs from what the tests check: run "
+    doc = (REPO / "docs" / "models.md").read_text(encoding="utf-8")
+    assert script["doc_section"](doc) == script["render"](), (
+        "docs/models.md's supported-models section differs from what the tests check: run "
         "`.venv/bin/python scripts/supported_models.py --write`"
     )

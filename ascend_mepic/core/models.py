@@ -6,7 +6,8 @@ Every model property that breaks one of those assumptions is a *kind* in ``UNSUP
 (kind -> why); ``check_model_supported`` names every kind a model has, then the architecture, so
 the user reads the specific reason even for an architecture MEPIC does not list.
 ``REFUSAL_EXAMPLES`` lists the published models the tests build to prove each refusal
-(``tests/core/test_unsupported_models.py``); the README's table of refused models comes from both.
+(``tests/core/test_unsupported_models.py``); docs/models.md's table of refused models comes
+from both.
 
 The check reads the config as vLLM 0.30.0 loads it (transformers 5): RoPE settings live in
 ``rope_parameters`` (the same dict as legacy ``rope_scaling``; nested per layer type for models

@@ -2,7 +2,7 @@
 
 Product data, read by ``tests/engine/test_real_geometry.py`` (its engine tests are parametrized from
 ``SUPPORT_MATRIX``, so a row is exactly what runs in ``make test``) and by
-``scripts/supported_models.py`` (the README's "Supported models" tables are generated from it).
+``scripts/supported_models.py`` (docs/models.md's tables are generated from it).
 Each model is the reduced copy of a published model (``eval.prepare.REDUCED_ARCHITECTURES``).
 """
 
@@ -26,7 +26,7 @@ CHECKS: dict[str, str] = {
 
 
 def geometry(spec: Any) -> str:
-    """The published attention geometry the reduced model keeps, as the README's table says it."""
+    """The published attention geometry the reduced model keeps, as docs/models.md says it."""
     pub = spec.published
     heads, kv = pub["num_attention_heads"], pub["num_key_value_heads"]
     head = pub.get("head_dim") or pub["hidden_size"] // heads

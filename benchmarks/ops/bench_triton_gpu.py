@@ -22,19 +22,17 @@ time, as a fraction of ``--peak-gbps`` (default from the card's name: H200 4800 
 3350; else 3350). Nothing about time is
 asserted. Calls of ~0.1 ms include the wrapper's host work (the GPU waits for the launch).
 
-Beside them, on the same card and in the same run (issue 49):
+Beside them, on the same card and in the same run:
 
-(d) ``old``: the kernels from before issue 49 (``legacy_kernel.py``, the ones first timed on an
-    H100), so every row is old against new on one GPU;
-(e) prefill: ``rotate``, the cost of rotating the sequences' K once into a contiguous scratch
+(d) prefill: ``rotate``, the cost of rotating the sequences' K once into a contiguous scratch
     buffer (gathered from the pages, torch ops), and ``scratch/SDPA = (rotate + SDPA) / SDPA``:
     what stock vLLM's way (rotated K, then a flash kernel) would cost MEPIC for a long contiguous
     run, against the fused kernel's ``fused/SDPA``;
-(f) decode: FlashInfer's batch decode with ``pos_encoding_mode="ROPE_LLAMA"`` (RoPE applied to
+(e) decode: FlashInfer's batch decode with ``pos_encoding_mode="ROPE_LLAMA"`` (RoPE applied to
     Q and K inside the kernel, like ours) when ``flashinfer`` imports: the reference for what
     fused RoPE costs on this card. Its JIT build is timed once, before the timed calls.
 
-The targets of issue 49 (decode >= 85% of HBM peak; fused/no RoPE <= 1.05; fused/SDPA <= 1.10
+The kernels' targets (decode >= 85% of HBM peak; fused/no RoPE <= 1.05; fused/SDPA <= 1.10
 in prefill at 8k-32k keys and <= 1.05 in decode) are checked per row in ``targets``.
 ``--profile`` runs each kernel of each case once inside an NVTX range instead of timing, for
 ``scripts/gpu_ncu.sh`` (Nsight Compute: DRAM throughput, local-memory loads, tensor pipe).
@@ -59,7 +57,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # cuda_fallback is not installed
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # legacy_kernel.py beside this file
 
 from ascend_mepic.eval.outputs import positive  # noqa: E402
 from ascend_mepic.ops.metadata import SequenceSpec, build_metadata  # noqa: E402
@@ -85,7 +82,6 @@ class Case:
     kv_bytes: int
     flops: float
     call_args: tuple  # (query, kv_cache, meta, rope, scale): the wrapper's positional arguments
-    old: Callable[[], torch.Tensor] | None = None  # the pre-issue-49 kernel
     rotate: Callable[[], torch.Tensor] | None = None  # prefill: K rotated once into a scratch
     flashinfer: Callable[[], torch.Tensor] | None = None  # decode: FlashInfer ROPE_LLAMA
     flashinfer_note: str = "-"
@@ -95,8 +91,6 @@ def make_case(
     args: argparse.Namespace, phase: str, context: int, block_size: int, device: torch.device
 ) -> Case:
     """Random Q/K/V laid out twice: paged un-rotated (ours) and contiguous pre-rotated (SDPA)."""
-    from legacy_kernel import rope_paged_attention_triton as old_kernel
-
     from cuda_fallback.rope_paged_attention import rope_paged_attention_triton
 
     dtype = DTYPES[args.dtype]
@@ -147,9 +141,6 @@ def make_case(
     def no_rope() -> torch.Tensor:
         return rope_paged_attention_triton(query, kv_cache, meta, rope, scale, apply_rope=False)
 
-    def old() -> torch.Tensor:
-        return old_kernel(query, kv_cache, meta, rope, scale)
-
     def rotate() -> torch.Tensor:  # stock's way for a contiguous run: rotated K in a scratch
         k_pages = kv_cache[0, flat].reshape(batch, nb * block_size, hkv, d)[:, :context]
         return apply_rope(k_pages.reshape(-1, hkv, d), pos.repeat(batch), rope)
@@ -187,7 +178,7 @@ def make_case(
     )
     return Case(
         phase, context, block_size, batch, fused, no_rope, sdpa_rows, note, kv_bytes, flops,
-        (query, kv_cache, meta, rope, scale), old, rotate if causal else None, fi, fi_note,
+        (query, kv_cache, meta, rope, scale), rotate if causal else None, fi, fi_note,
     )  # fmt: skip
 
 
@@ -267,7 +258,6 @@ def run_case(case: Case, timer: Timer, peak_gbps: float) -> dict[str, str]:
     t_fused = positive(timer(case.fused), f"{what}: fused RoPE (ms)")
     t_plain = positive(timer(case.no_rope), f"{what}: no RoPE (ms)")
     t_sdpa = positive(timer(case.sdpa), f"{what}: SDPA (ms)")
-    t_old = None if case.old is None else positive(timer(case.old), f"{what}: old kernel (ms)")
     t_rot = None if case.rotate is None else positive(timer(case.rotate), f"{what}: rotate (ms)")
     t_fi, fi_diff = None, None
     if case.flashinfer is not None:
@@ -294,10 +284,8 @@ def run_case(case: Case, timer: Timer, peak_gbps: float) -> dict[str, str]:
         "fused RoPE ms": f"{t_fused:.3f}",
         "no RoPE ms": f"{t_plain:.3f}",
         "SDPA ms": f"{t_sdpa:.3f}",
-        "old ms": ms(t_old),
         "fused/no RoPE": f"{t_fused / t_plain:.2f}",
         "fused/SDPA": f"{t_fused / t_sdpa:.2f}",
-        "old/fused": "-" if t_old is None else f"{t_old / t_fused:.2f}",
         "rotate ms": ms(t_rot),
         "scratch/SDPA": "-" if t_rot is None else f"{(t_rot + t_sdpa) / t_sdpa:.2f}",
         "FlashInfer ms": ms(t_fi),
@@ -314,7 +302,7 @@ def run_case(case: Case, timer: Timer, peak_gbps: float) -> dict[str, str]:
 
 
 def targets(case: Case, fused: float, plain: float, sdpa: float, peak_gbps: float) -> str:
-    """Issue 49's targets for this row: each ``name ok`` or ``name MISS (value)``."""
+    """The kernels' targets for this row: each ``name ok`` or ``name MISS (value)``."""
     checks = [("fused/no-RoPE<=1.05", fused / plain, 1.05)]
     if case.phase == "decode":
         checks.append(("fused/SDPA<=1.05", fused / sdpa, 1.05))
@@ -333,7 +321,7 @@ def profile_case(case: Case) -> None:
     ``cudaProfilerStart``/``Stop`` inside an NVTX range named after it (``--profile``, for Nsight
     Compute with ``--profile-from-start off`` and ``--print-nvtx-rename kernel``). The labels go
     to stderr in launch order, for a report whose kernels could not be renamed."""
-    calls = {"fused": case.fused, "no_rope": case.no_rope, "sdpa": case.sdpa, "old": case.old}
+    calls = {"fused": case.fused, "no_rope": case.no_rope, "sdpa": case.sdpa}
     calls.update(rotate=case.rotate, flashinfer=case.flashinfer)
     for name, fn in calls.items():
         if fn is None:

@@ -1,7 +1,7 @@
 """Summarise an Nsight Compute CSV report (``ncu --csv --page raw``) of ``bench_triton_gpu.py
 --profile`` as a markdown table: per kernel launch, its NVTX label (or kernel name), time, DRAM
 throughput as a share of peak, local-memory load sectors, tensor-pipe activity, registers and
-occupancy. Standard library only (it runs on the GPU machine). Written by ``scripts/gpu_ncu.sh``;
+occupancy. Standard library only (it runs wherever ncu does). Written by ``scripts/gpu_ncu.sh``;
 UNTESTED ON A GPU (the parser is tested here on a small report of ncu's documented format).
 """
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -122,23 +120,3 @@ def test_launch_compiles_without_spills_and_with_async_kv_loads(call, head, dtyp
         if r.async_copies == 0:
             failures.append(f"{r.kernel}: no asynchronous copy in its K/V loop")
     assert not failures, "; ".join(failures)
-
-
-@needs_compiler
-def test_the_old_kernels_fail_the_check():
-    """The kernels from before issue 49 (``benchmarks/ops/legacy_kernel.py``, kept for timing
-    old against new on a GPU) fail this check: their decode launch at head 128 has no
-    ``cp.async`` and spills."""
-    from tests.ops.cuda_compile import compile_launch
-    from tests.ops.oracle import random_batch
-
-    spec = importlib.util.spec_from_file_location(
-        "legacy_kernel", Path(__file__).resolve().parents[2] / "benchmarks/ops/legacy_kernel.py"
-    )
-    legacy = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = legacy  # its dataclasses look their module up
-    spec.loader.exec_module(legacy)
-    b = random_batch(0, 16, 32, 8, head=128, num_seqs=3, dtype=torch.bfloat16, decode=True)
-    _, launches = legacy.plan_launches(b.query, b.kv_cache, b.meta, b.rope, b.scale, num_splits=1)
-    r = compile_launch(launches[0].kernel, launches[0].args, launches[0].kwargs, 90)
-    assert r.async_copies == 0 and r.spills, r
