@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, Strict, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
 from ascend_mepic.core.markers import DEFAULT_BEGIN, DEFAULT_END
 from ascend_mepic.core.options import OPTIONS, build
-from ascend_mepic.core.policies import POLICY_NAMES, Placement, Policy, parse_policy
+from ascend_mepic.core.policies import (
+    DEFAULT_ANCHOR_MAX_TOKENS,
+    POLICY_NAMES,
+    Placement,
+    Policy,
+    parse_policy,
+)
 from ascend_mepic.core.request_limits import DEFAULT_MAX_CHUNKS
 from ascend_mepic.core.segments import DEFAULT_PAD_TOKEN_ID
 from ascend_mepic.tier.index import TierConfig
@@ -57,6 +63,27 @@ class MepicConfig:
             ),
         ),
     ] = 1
+    chunk_anchor: Annotated[
+        Literal["none", "prefix"],
+        Field(
+            description=(
+                "shared-placement policies: `prefix` compiles each new chunk after the "
+                "request's prompt before its first chunk (its KV not stored with the chunk; "
+                "the chunk's identity includes it), `none` alone from position 0"
+            )
+        ),
+    ] = "none"
+    chunk_anchor_max_tokens: Annotated[
+        int,
+        Strict(),
+        Field(
+            ge=1,
+            description=(
+                "the anchor is at most this many leading tokens of that prompt (every compile "
+                "recomputes them)"
+            ),
+        ),
+    ] = DEFAULT_ANCHOR_MAX_TOKENS
     pad_token_id: Annotated[
         int, Strict(), Field(ge=0, description="the token that fills a chunk's last block")
     ] = DEFAULT_PAD_TOKEN_ID
@@ -142,6 +169,16 @@ class MepicConfig:
             )
         return self
 
+    @model_validator(mode="after")
+    def _anchor_needs_shared_chunks(self) -> MepicConfig:
+        if self.chunk_anchor != "none" and self.parsed_policy.placement is not Placement.SHARED:
+            raise ValueError(
+                f"chunk_anchor {self.chunk_anchor!r} applies to shared-placement policies "
+                f"(mepic, mepic-K, mepic-block, naive); policy {self.policy!r} does not share "
+                "chunk KV"
+            )
+        return self
+
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> MepicConfig:
         """The ``mepic`` object of ``additional_config``, validated (pydantic's errors)."""
@@ -166,4 +203,9 @@ class MepicConfig:
 
     @property
     def parsed_policy(self) -> Policy:
-        return dataclasses.replace(parse_policy(self.policy), check_layer=self.blend_check_layer)
+        return dataclasses.replace(
+            parse_policy(self.policy),
+            check_layer=self.blend_check_layer,
+            anchor=self.chunk_anchor,
+            anchor_max_tokens=self.chunk_anchor_max_tokens,
+        )

@@ -12,7 +12,10 @@ Job: {"model", "mepic": bool, "policy": str|null, "dtype" (float32), "block_size
 [[{"segments": [[kind, [ids...]], ...], "salt": str|null}, ...], ...], "max_tokens",
 "logprobs", "options" (MEPIC options), "reset_between_batches", "reset_before" (batch indices),
 "tensor_parallel_size", "kv_cache_bytes", "scheduler_cls" (a stock job's ``--scheduler-cls``),
-"refuse": [request, or {"raw": {"prompt_token_ids", "extra_args"}}]}.
+"refuse": [request, or {"raw": {"prompt_token_ids", "extra_args"}}], "chunk_digests": bool}.
+With ``chunk_digests`` the result has, after each batch, every ready chunk's canonical blocks and
+a SHA-256 of its canonical KV bytes in every layer (``chunk_digests``: one
+``{chunk id: [block ids, digest]}`` per batch; in-process engine only).
 Each batch is one ``generate`` call, run in order on the same engine. The ``refuse`` requests go
 first, one ``generate`` call each, each expected to raise ``VLLMValidationError`` (its message,
 or None where it did not raise, is reported in ``refused``).
@@ -97,6 +100,7 @@ def serve_job(job: dict, llm) -> dict:
         except VLLMValidationError as e:
             refused.append(str(e))
     results = []
+    digests = []
     for index, batch in enumerate(job["batches"]):
         if (index and job.get("reset_between_batches")) or index in job.get("reset_before", ()):
             llm.reset_prefix_cache()  # evicts every idle chunk from the KV pool
@@ -119,9 +123,13 @@ def serve_job(job: dict, llm) -> dict:
                 for o in outs
             ]
         )
+        if job.get("chunk_digests"):
+            digests.append(chunk_digests(llm))
     from vllm.platforms import current_platform
 
     info = {"platform": current_platform.device_type, "refused": refused}
+    if digests:
+        info["chunk_digests"] = digests
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process engine only
     if job["mepic"] and core is not None:
         manager = core.scheduler.kv_cache_manager
@@ -129,6 +137,35 @@ def serve_job(job: dict, llm) -> dict:
             info.update(metrics=manager.metrics(), chunk_blocks=list(manager.recent_chunk_blocks))
         info["block_hasher"] = getattr(core.request_block_hasher, "__qualname__", None)
     return {"batches": results, **info}
+
+
+def _digest_worker_chunks(worker, entries: list, block_size: int) -> dict:
+    """On the worker: SHA-256 of each chunk's canonical tokens' KV, every layer."""
+    import hashlib
+
+    from ascend_mepic.tier import transfer
+
+    caches = worker.model_runner.mepic_kv_buffers()
+    return {
+        cid: hashlib.sha256(
+            transfer.save_tokens(caches, blocks, offset, n, block_size).numpy().tobytes()
+        ).hexdigest()
+        for cid, blocks, offset, n in entries
+    }
+
+
+def chunk_digests(llm) -> dict:
+    """Every ready chunk's canonical block ids and KV digest (read through the worker)."""
+    from ascend_mepic.core.chunk_cache import ChunkState
+
+    manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    entries = [
+        (e.chunk_id, e.block_ids, e.offset, e.num_canonical)
+        for e in manager.chunk_cache.entries.values()
+        if e.state is ChunkState.READY
+    ]
+    found = llm.collective_rpc(_digest_worker_chunks, args=(entries, manager.mepic_block_size))[0]
+    return {cid: [blocks, found[cid]] for cid, blocks, _, _ in entries}
 
 
 def serve() -> None:

@@ -12,6 +12,10 @@ attention and RoPE written here:
 ``k`` per chunk comes from the caller (MEPIC: 16; the paper's first-block policy: the first
 block's real tokens); no layout, block or padding is involved.
 
+Anchored compiles (``anchor`` tokens given): every chunk is computed after the anchor tokens
+(at positions 0..A-1, the chunk at A..A+L-1) instead of alone, and only the chunk's own K and V
+are kept; the anchor's are dropped.
+
 Models: Llama, Mistral, Qwen2 (its QKV bias is in the HF projections) and Qwen3 (q and k are
 RMS-normed per head before RoPE, so the chunk-alone K kept is normed and un-rotated). Default RoPE
 is computed here from its base; a scaled RoPE (Llama-3.1's llama3) takes its inverse frequencies
@@ -112,10 +116,14 @@ class MepicOracle:
 
     @torch.no_grad()
     def next_token_logprobs(
-        self, segments: list[Segment], in_context: Callable[[int], int]
+        self,
+        segments: list[Segment],
+        in_context: Callable[[int], int],
+        anchor: tuple[int, ...] = (),
     ) -> torch.Tensor:
         """Next-token log-probs when each chunk of n tokens has ``in_context(n)`` leading tokens
-        computed in the request and the rest taken from the chunk computed alone."""
+        computed in the request and the rest taken from the chunk computed alone (after the
+        ``anchor`` tokens, whose KV is dropped, when given)."""
         past = None
         hidden = None
         position = 0
@@ -139,9 +147,10 @@ class MepicOracle:
                 hidden, kv = self._run(toks[:k], list(range(position, position + k)), past)
                 extend(kv)
             if k < n:
-                _, alone = self._run(toks, list(range(n)), None)
+                a = len(anchor)
+                _, alone = self._run([*anchor, *toks], list(range(a + n)), None)
                 pos = torch.arange(position + k, position + n)
-                extend([(ka[k:], va[k:], pos) for ka, va, _ in alone])
+                extend([(ka[a + k :], va[a + k :], pos) for ka, va, _ in alone])
             position += n
         assert segments[-1].kind is SegmentKind.PROMPT and hidden is not None
         logits = self.model.lm_head(hidden[-1:]).double()

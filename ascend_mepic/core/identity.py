@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from blake3 import blake3
 
@@ -185,24 +186,43 @@ def chunk_identity(
     block_size: int,
     model_fingerprint: str,
     cache_salt: str | None = None,
+    anchor: Sequence[int] = (),
 ) -> ChunkId:
-    """SHA-256 hex digest of (salt, model fingerprint, block size, tokens).
+    """SHA-256 hex digest of (salt, model fingerprint, block size, tokens[, anchor]).
+
+    ``anchor``: the tokens the chunk is compiled after (``Policy.anchor_tokens``): its canonical
+    KV depends on them, so they are part of its identity. Without one the digest is the one
+    earlier versions gave, so tier entries of unanchored chunks stay valid.
 
     Named again for every request that carries the chunk, so recent identities are kept by
     token content: a repeated chunk costs one dict lookup, not a pack and a hash.
     """
-    return _cached_identity(tuple(token_ids), block_size, model_fingerprint, cache_salt)
+    return _cached_identity(
+        tuple(token_ids), block_size, model_fingerprint, cache_salt, tuple(anchor)
+    )
+
+
+def _pack_tokens(h: Any, token_ids: tuple[int, ...]) -> None:
+    h.update(struct.pack("<Q", len(token_ids)))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
 
 
 # Bounded: each entry keeps its chunk's tokens alive.
 @functools.lru_cache(maxsize=512)
 def _cached_identity(
-    token_ids: tuple[int, ...], block_size: int, model_fingerprint: str, cache_salt: str | None
+    token_ids: tuple[int, ...],
+    block_size: int,
+    model_fingerprint: str,
+    cache_salt: str | None,
+    anchor: tuple[int, ...],
 ) -> ChunkId:
     h = hashlib.sha256()
     for part in (b"mepic-chunk-v1", (cache_salt or "").encode(), model_fingerprint.encode()):
         h.update(struct.pack("<Q", len(part)))
         h.update(part)
-    h.update(struct.pack("<QQ", block_size, len(token_ids)))
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(struct.pack("<Q", block_size))
+    _pack_tokens(h, token_ids)
+    if anchor:
+        h.update(b"anchor")
+        _pack_tokens(h, anchor)
     return h.hexdigest()

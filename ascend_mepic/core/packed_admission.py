@@ -70,7 +70,8 @@ class PackedAdmission(Admission):
             return None
         reused, new_chunks, residency = found
         firsts = [layout.spans[segs[0]] for segs in new_chunks.values()]
-        compile_tokens = sum(sp.num_tokens for sp in firsts)
+        lead = len(self.settings.policy.anchor_tokens(layout.segments))
+        compile_tokens = sum(lead + sp.num_tokens for sp in firsts)
         if not self.room.fits(compile_tokens, len(new_chunks)):
             self.counters.admissions_deferred += 1  # this step's batch is full
             self.room.defer(compile_tokens, len(new_chunks))  # room is kept in the next step
@@ -81,7 +82,7 @@ class PackedAdmission(Admission):
             + self.chunk_cache.arena.new_blocks_bound(
                 sum(sp.num_tokens - sp.private_tokens for sp in firsts)
             )
-            + sum(-(-sp.private_tokens // bs) for sp in firsts)  # compile scratch
+            + sum(-(-(lead + sp.private_tokens) // bs) for sp in firsts)  # compile scratch
             + num_in_free_queue(hits)
         )
         protect = list(reused.values())
@@ -207,6 +208,8 @@ class PackedAdmission(Admission):
         """Place each first-time chunk in the arena, with scratch blocks for its private tokens
         during the compile; every occurrence acquires it. Returns the compiles."""
         bs = self.block_size
+        anchor = self.settings.policy.anchor_tokens(st.layout.segments)
+        lead = [Segment.prompt(anchor)] if anchor else []
         compiles: list[ChunkCompile] = []
         for chunk_id, segs in new_chunks.items():
             span = st.layout.spans[segs[0]]
@@ -215,11 +218,13 @@ class PackedAdmission(Admission):
                 chunk_id, span.num_tokens, span.num_tokens - k, request.request_id,
                 tenant=request.cache_salt,
             )  # fmt: skip
-            scratch = self.block_pool.get_new_blocks(-(-k // bs))
+            scratch = self.block_pool.get_new_blocks(-(-(len(anchor) + k) // bs))
             st.scratch.extend(scratch)
             tokens = st.layout.chunk_tokens(span)
+            # The anchor (a prompt segment) and the chunk's private tokens form the compile's
+            # private stream, in scratch; its canonical tokens go where the arena placed them.
             alone = build_packed_layout(
-                [Segment.chunk(tokens)], bs, [k], [entry.offset], allow_trailing_chunk=True
+                [*lead, Segment.chunk(tokens)], bs, [k], [entry.offset], allow_trailing_chunk=True
             )
             block_ids = tuple(
                 entry.blocks[spec.shared_index].block_id
@@ -235,6 +240,7 @@ class PackedAdmission(Admission):
                     alone,
                     (k, entry.offset),
                     num_scratch=len(scratch),
+                    anchor_tokens=anchor,
                 )  # fmt: skip
             )
             for seg in segs:

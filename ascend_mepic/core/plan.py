@@ -23,7 +23,7 @@ class Residency(str, enum.Enum):
 
 @dataclass(frozen=True)
 class ChunkCompile:
-    """Compute a chunk alone, from position 0, as its own sequence.
+    """Compute a chunk alone, from position 0 (or after its anchor), as its own sequence.
 
     Shared placement (``packing`` set): the compile's table is its packed layout's, entry by
     entry: its first ``private_tokens`` tokens go to scratch blocks, the rest (the canonical
@@ -43,6 +43,18 @@ class ChunkCompile:
     dummy_tokens: tuple[int, ...] = ()
     store_blocks: int = 0
     store_scores: bool = False
+    # Anchored shared compiles: the request's prefix the chunk is compiled after, in scratch
+    # (the layout's leading prompt segment; ``Policy.anchor_tokens``).
+    anchor_tokens: tuple[int, ...] = ()
+
+    @property
+    def sequence_tokens(self) -> tuple[int, ...]:
+        """The tokens the compile's sequence computes, in order."""
+        return (*self.dummy_tokens, *self.anchor_tokens, *self.token_ids)
+
+    @property
+    def num_sequence_tokens(self) -> int:
+        return len(self.dummy_tokens) + len(self.anchor_tokens) + len(self.token_ids)
 
     @property
     def canonical_block_ids(self) -> tuple[int, ...]:
@@ -93,9 +105,7 @@ class RequestPlan:
     @property
     def num_compute_tokens(self) -> int:
         """Real tokens computed for this request: in context plus its compiles."""
-        return self.num_in_context_computed + sum(
-            len(c.token_ids) + len(c.dummy_tokens) for c in self.compiles
-        )
+        return self.num_in_context_computed + sum(c.num_sequence_tokens for c in self.compiles)
 
     @property
     def num_reused_tokens(self) -> int:

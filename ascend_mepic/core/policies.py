@@ -23,6 +23,15 @@ cachetune-R    private    the top R% of each chunk by low-frequency KV energy, s
                           when the chunk is compiled (one set for all layers)
 ============== ========== ================================================================
 
+*Anchored* compiles (``anchor="prefix"``, shared placement): a first-time chunk is compiled after
+an anchor, the request's prompt before its first chunk (its first ``anchor_max_tokens`` tokens:
+template opening, system message, instruction), at positions continuing from it, instead of alone
+from position 0. The anchor's KV is computed in the compile's scratch and never stored with the
+chunk, so the chunk's canonical KV keeps one attention sink that every request has, not a second
+one of its own; the chunk's identity includes the anchor, so requests that share a prefix share
+the chunk and a request with another prefix gets its own copy. Nothing changes for the request:
+the same private tokens, the same blocks.
+
 *Shared* placement keeps canonical KV in the device pool, referenced by every request, in the
 packed layout (``segments.build_packed_layout``): a request's in-context tokens (prompt and each
 chunk's first tokens) are packed into its private blocks, and each chunk's canonical tokens are
@@ -52,6 +61,8 @@ class Placement(str, enum.Enum):
 
 
 LEGOLINK_DUMMY_TOKENS = 4
+ANCHORS = ("none", "prefix")
+DEFAULT_ANCHOR_MAX_TOKENS = 256  # an anchor's tokens are recomputed by every compile after it
 CACHEBLEND_CHECK_LAYER = 1
 MEPIC_DEFAULT_K = 16  # EPIC's setting: tokens of each chunk recomputed in the request's context
 
@@ -68,6 +79,8 @@ class Policy:
     k: int = 0  # mepic / mepic-K / epic-K: tokens recomputed per chunk
     ratio: float = 0.0  # cacheblend-R / cachetune-R: R / 100
     check_layer: int = CACHEBLEND_CHECK_LAYER
+    anchor: str = "none"  # shared placement: "prefix" compiles chunks after the request's prefix
+    anchor_max_tokens: int = DEFAULT_ANCHOR_MAX_TOKENS
 
     # Read several times per request on the scheduling path: computed once per policy.
     @cached_property
@@ -98,6 +111,17 @@ class Policy:
         if self.kind == "mepic-block":
             return n - block_size * (-(-n // block_size) - 1)
         raise AssertionError(f"{self.name} does not use the packed layout")
+
+    def anchor_tokens(self, segments: Sequence[Segment]) -> tuple[int, ...]:
+        """The tokens a first-time chunk of this request is compiled after (empty: alone from
+        position 0): under ``anchor="prefix"``, the first ``anchor_max_tokens`` of the prompt
+        before the request's first chunk."""
+        if self.anchor == "none" or not self.packed or not segments:
+            return ()
+        first = segments[0]
+        if first.kind is not SegmentKind.PROMPT or len(segments) < 2:
+            return ()
+        return tuple(first.token_ids[: self.anchor_max_tokens])
 
     def in_context_tokens(self, num_tokens: int, block_size: int) -> int:
         """How many of a chunk's tokens a request computes in its own context; the rest are
@@ -157,8 +181,9 @@ class Policy:
         bs = layout.block_size
         if self.packed:  # private blocks, canonical blocks of every chunk, compile scratch
             worst = layout.num_private_blocks
+            lead = len(self.anchor_tokens(layout.segments))
             for sp in layout.chunk_spans:
-                worst += -(-sp.private_tokens // bs) + sp.num_shared
+                worst += -(-(lead + sp.private_tokens) // bs) + sp.num_shared
             return worst
         private = self.placement is Placement.PRIVATE
         return layout.num_blocks + (

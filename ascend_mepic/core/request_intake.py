@@ -238,17 +238,18 @@ class RequestIntake:
         segments = segments_from_real(request.prompt_token_ids or [], extra[EXTRA_ARGS_KEY])
         policy, bs = self.settings.policy, self.block_size
         fingerprint, salt = self.model_fingerprint, request.cache_salt
+        anchor = policy.anchor_tokens(segments)
         chunk_ids: dict[int, ChunkId | None] = {}
         for i, seg in enumerate(segments):
             if seg.kind is SegmentKind.CHUNK:
                 cached = policy.chunk_is_cached(len(seg.token_ids), bs)
                 chunk_ids[i] = (
-                    chunk_identity(seg.token_ids, bs, fingerprint, salt) if cached else None
+                    chunk_identity(seg.token_ids, bs, fingerprint, salt, anchor) if cached else None
                 )
         layout = arrival_layout(segments, policy, bs)
         limits = RequestLimits(policy, bs, self.max_model_len, self.settings.max_chunks)
         limits.check(layout, chunk_ids)
-        self.room.check_request(layout, chunk_ids)
+        self.room.check_request(layout, chunk_ids, len(anchor))
         worst_case = policy.worst_case_blocks(layout, chunk_ids)
         usable = num_usable_blocks(self.block_pool) - self.chunk_cache.num_pinned_blocks()
         if worst_case > usable:
@@ -267,12 +268,14 @@ class RequestIntake:
             (extra or {}).get(EXTRA_ARGS_KEY),
             self.block_size,
         )
+        anchor = self.settings.policy.anchor_tokens(layout.segments)
         return [
             chunk_identity(
                 layout.chunk_tokens(span),
                 layout.block_size,
                 self.model_fingerprint,
                 request.cache_salt,
+                anchor,
             )
             for span in layout.chunk_spans
         ]

@@ -115,7 +115,7 @@ class RequestLimits:
         if self.step_budgets is not None:
             room = StepRoom()
             room.set_budgets(*self.step_budgets[:3], whole_prefills=self.step_budgets[3])
-            room.check_request(layout, chunk_ids)
+            room.check_request(layout, chunk_ids, len(self.policy.anchor_tokens(layout.segments)))
         if self.usable_blocks is not None:
             worst = self.policy.worst_case_blocks(layout, chunk_ids)
             if worst > self.usable_blocks:

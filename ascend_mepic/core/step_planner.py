@@ -61,7 +61,7 @@ class StepPlanner:
         tier_puts: list[ChunkSave] = []
         for request_id, compile_ in self.room.take_compiles():
             seq_id = f"mepic-compile-{compile_.chunk_id[:16]}-{request_id}"
-            tokens = (*compile_.dummy_tokens, *compile_.token_ids)
+            tokens = compile_.sequence_tokens
             placements[seq_id] = SequencePlacement(compile_.layout, len(tokens), compile=True)
             if compile_.store_blocks:
                 blocks = compile_.block_ids[-compile_.store_blocks :]

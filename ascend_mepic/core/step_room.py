@@ -58,11 +58,14 @@ class StepRoom:
         """Compiles one step can hold, beside the request that brings them."""
         return self.seq_budget - 1
 
-    def check_request(self, layout: Layout, chunk_ids: dict[int, ChunkId | None]) -> None:
+    def check_request(
+        self, layout: Layout, chunk_ids: dict[int, ChunkId | None], anchor_tokens: int = 0
+    ) -> None:
         """A request whose unique chunks could not all compile in one otherwise empty step, beside
-        its first scheduled tokens (its whole prompt without chunked prefill), can never run."""
+        its first scheduled tokens (its whole prompt without chunked prefill), can never run.
+        ``anchor_tokens``: what each compile computes before its chunk (its anchor)."""
         unique = {cid: span for span in layout.chunk_spans if (cid := chunk_ids[span.segment])}
-        tokens = sum(span.num_tokens for span in unique.values())
+        tokens = sum(anchor_tokens + span.num_tokens for span in unique.values())
         beside = layout.num_in_context() if self.whole_prefills else 1
         if (
             tokens > self.max_compile_tokens
@@ -133,7 +136,7 @@ class StepRoom:
 
     def add_compiles(self, request_id: str, compiles: list[ChunkCompile]) -> None:
         """Issue compiles in this step, using their tokens and one sequence each."""
-        self.use(sum(len(c.token_ids) + len(c.dummy_tokens) for c in compiles), len(compiles))
+        self.use(sum(c.num_sequence_tokens for c in compiles), len(compiles))
         self.compiles.extend((request_id, c) for c in compiles)
 
     def take_compiles(self) -> list[tuple[str, ChunkCompile]]:

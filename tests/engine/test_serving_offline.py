@@ -201,3 +201,55 @@ def test_tensor_parallel_2_equals_1_with_mepic_on(model, requests, mepic_run, bl
             for l1, l2 in zip(o1["logprobs"], o2["logprobs"], strict=True):
                 for tok in l1.keys() & l2.keys():
                     assert abs(l1[tok] - l2[tok]) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def anchored(model, requests):
+    """``chunk_anchor: prefix`` at block 16: c and d share a prefix and place the chunks in
+    other orders with other questions; e has another prefix. c alone (cold), c and d together,
+    e, then c again (warm), with every ready chunk's KV digested after each batch."""
+    a, _ = requests
+    doc, other = a[1], a[2]
+    prefix = Segment.prompt([1, 40, 41, 42, 43, 44, 45])
+    c = [prefix, doc, other, Segment.prompt([60, 61, 62, 63])]
+    d = [prefix, other, doc, Segment.prompt([70, 71])]
+    e = [Segment.prompt([1, 50, 51]), doc, Segment.prompt([80, 81, 82])]
+    job = {
+        "model": model,
+        "mepic": True,
+        "block_size": 16,
+        "max_tokens": 4,
+        "batches": [[encode(c)], [encode(c), encode(d)], [encode(e)], [encode(c)]],
+        "options": {"chunk_anchor": "prefix"},
+        "chunk_digests": True,
+    }
+    return (c, d, e), run_engine(job)
+
+
+def test_anchored_chunks_match_the_oracle_and_stay_canonical(model, anchored):
+    """Each anchored request's first-token log-probabilities match the oracle's anchored
+    semantics (and differ from unanchored MEPIC's, so the check can fail); c and d read the same
+    canonical blocks of both chunks, whose bytes are unchanged by d's and e's requests; e, with
+    another prefix, gets its own copy of ``doc``; c is the same cold and warm."""
+    from transformers import AutoModelForCausalLM
+
+    (c, d, e), run = anchored
+    oracle = MepicOracle(AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32))
+    batches = run["batches"]
+    for req, out in zip((c, d, e), (batches[0][0], batches[1][1], batches[2][0]), strict=True):
+        anchor = tuple(req[0].token_ids)
+        want = oracle.next_token_logprobs(list(req), first_k(16), anchor)
+        plain = oracle.next_token_logprobs(list(req), first_k(16))
+        for tok, lp in out["logprobs"][0].items():
+            assert abs(want[int(tok)].item() - lp) < 1e-4, (tok, want[int(tok)].item(), lp)
+        assert (want - plain).abs().max().item() > 1e-4
+    assert batches[0][0]["tokens"] == batches[1][0]["tokens"] == batches[3][0]["tokens"]
+    (_, c_blocks), (_, d_blocks), (_, e_blocks) = run["chunk_blocks"][1:4]  # c and d together
+    assert c_blocks[0] == d_blocks[1] and c_blocks[1] == d_blocks[0]  # doc, other: shared
+    assert e_blocks[0] != c_blocks[0]  # e's own copy of doc (it may share a packed block)
+    after_c, after_d, after_e, _ = run["chunk_digests"]  # after_d: after c and d
+    assert len(after_c) == 2 and len(after_e) == 3
+    for cid, (_, digest) in after_c.items():  # the KV bytes, wherever the chunk sits
+        assert after_d[cid][1] == after_e[cid][1] == digest
+    (e_doc,) = after_e.keys() - after_c.keys()  # another anchor: another identity and KV
+    assert after_e[e_doc][1] not in {digest for _, digest in after_c.values()}

@@ -183,7 +183,7 @@ class StepTracker:
                     before = min(1.0, (check + 1) / self.num_layers)
                     after = 1.0 - (1.0 - ratio) * chunk / max(1, seq.length)
                     seq.blend = (before, after)
-            elif place is not None:  # a chunk compile: the chunk alone, from position 0
+            elif place is not None:  # a chunk compile: the chunk alone (or after its anchor)
                 seq.emits = False
             self.seqs[new.req_id] = seq
             computed[new.req_id] = new.num_computed_tokens
