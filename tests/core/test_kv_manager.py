@@ -503,3 +503,57 @@ def test_server_precheck_accepts_and_rejects_what_the_engine_does():
         assert server_ok == engine_ok, segs
         seen.add(server_ok)
     assert seen == {True, False}
+
+
+def anchored_manager(num_blocks: int = 128) -> MepicKVCacheManager:
+    """A MEPIC manager whose compiles run after the request's prefix (``chunk_anchor``)."""
+    import dataclasses
+
+    from ascend_mepic.core.kv_settings import KVSettings
+    from ascend_mepic.core.policies import parse_policy
+    from ascend_mepic.eval.kvsim import SIM_MODEL, kv_cache_config
+    from ascend_mepic.vllm_integration.core_types import sha256_cbor
+
+    policy = dataclasses.replace(parse_policy("mepic"), anchor="prefix", anchor_max_tokens=20)
+    m = build_manager("mepic", 8, B)  # hashing set up as kvsim does
+    return MepicKVCacheManager(
+        kv_cache_config(num_blocks, B),
+        hash_fn=sha256_cbor,
+        model_fingerprint=SIM_MODEL,
+        enable_caching=True,
+        settings=KVSettings(policy=policy),
+        max_model_len=m.max_model_len,
+        scheduler_block_size=B,
+        hash_block_size=B,
+    )
+
+
+def test_anchored_compiles_run_after_the_prefix_and_key_the_chunk_by_it():
+    """Under ``chunk_anchor: prefix`` a first-time chunk compiles after the request's prefix (at
+    most ``anchor_max_tokens`` of it) in scratch: the compile sequence is anchor + chunk, its
+    scratch holds anchor and private tokens, its canonical tokens go to the arena. Requests with
+    the same prefix share the chunk wherever it sits; another prefix gets its own."""
+    m = anchored_manager()
+    c = chunk(1, 60)  # 16 private, 44 canonical
+    prefix = Segment.prompt(range(100, 130))  # 30 tokens: the anchor is its first 20
+    a = make_request("a", [prefix, c, Segment.prompt([9])], B)
+    b = make_request("b", [prefix, chunk(2), c, Segment.prompt([8, 7])], B)
+    other = make_request("o", [Segment.prompt([1, 2, 3]), c, Segment.prompt([9])], B)
+    admit(m, a)
+    (compile_,) = m.get_plan("a").compiles
+    assert compile_.anchor_tokens == tuple(range(100, 120))
+    assert compile_.sequence_tokens == (*range(100, 120), *c.token_ids)
+    assert compile_.num_scratch == -(-(20 + 16) // B) == 3
+    assert compile_.layout.num_real_tokens == 80 and compile_.num_canonical == 44
+    admit(m, b)
+    assert canonical_ids(m, "a", 1) == canonical_ids(m, "b", 2)
+    assert m.get_plan("b").residency == (Residency.COMPILE, Residency.IN_FLIGHT)
+    admit(m, other)
+    assert m.get_plan("o").residency == (Residency.COMPILE,)  # another anchor, another chunk
+    assert not set(canonical_ids(m, "o", 1)) & set(canonical_ids(m, "a", 1)[:-1])
+    plan, extra = m.take_step_plan(0, ["a", "b", "o"])
+    compiles = [e for e in extra if e.seq_id.startswith("mepic-compile-")]
+    assert sorted(len(e.token_ids) for e in compiles) == [3 + 60, 20 + 50, 20 + 60]
+    check_conservation(m)
+    m.new_step_starts()
+    check_conservation(m)

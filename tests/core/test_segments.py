@@ -112,6 +112,20 @@ def test_identity_position_independent_and_salted(ids, bs):
     assert a != chunk_identity(ids, bs, "m:float32", cache_salt="tenant-b")
     assert a != chunk_identity(ids, bs, "m:bfloat16")
     assert a != chunk_identity(ids, bs + 1, "m:float32")
+    # An anchor is part of the identity; no anchor gives the digest earlier versions gave.
+    assert a == chunk_identity(ids, bs, "m:float32", anchor=())
+    assert a != chunk_identity(ids, bs, "m:float32", anchor=(1, 2))
+    assert chunk_identity(ids, bs, "m:float32", anchor=(1, 2)) != chunk_identity(
+        ids, bs, "m:float32", anchor=(1, 3)
+    )
+
+
+def test_identity_without_anchor_is_unchanged():
+    """The digest of an unanchored chunk is the one earlier versions stored in tiers."""
+    assert (
+        chunk_identity([5, 6, 7], 16, "m:float32")
+        == "804d3987931fd95a6f3ee27676188b0e4f51a037a6f76426943c80a7d4961908"
+    )
 
 
 def test_layout_errors():

@@ -200,13 +200,16 @@ def render(rows: Sequence[Mapping[str, Any]], header: str) -> str:
 def cmd_fidelity(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from ascend_mepic.core.policies import parse_policy
     from ascend_mepic.eval.bench.runner import build_requests, run_in_subprocess
+    from ascend_mepic.eval.bench.variants import check_variant
     from ascend_mepic.eval.prepare import resolve_model
 
     policies = list(dict.fromkeys(args.policies or DEFAULT_POLICIES))
     for p in policies:
-        parse_policy(p)  # a typo fails now, not after the reference run
+        try:
+            check_variant(p)  # a typo fails now, not after the reference run
+        except ValueError as e:
+            raise SystemExit(f"bench fidelity: {e}") from e
     model = str(resolve_model(args.model))
     # Build the prompts here first: a model without a chat template fails before any engine.
     tok = AutoTokenizer.from_pretrained(model)
@@ -251,7 +254,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--policies",
         nargs="+",
         help=f"policies to check against full (default: {' '.join(DEFAULT_POLICIES)}); "
-        "full here reruns full, a determinism check",
+        "full here reruns full, a determinism check; POLICY,OPTION=VALUE sets MEPIC options "
+        "(e.g. mepic,chunk_anchor=prefix)",
     )
     p.add_argument("--questions", type=int, default=50, help="SQuAD v2 questions")
     p.add_argument("--chunks", type=int, default=4, help="paragraphs per prompt, gold included")

@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ascend_mepic.eval.bench.variants import split_variant
 from ascend_mepic.eval.outputs import (
     check_records,
     check_request_outputs,
@@ -301,9 +302,11 @@ def llm_arguments(
     with the job's policy, on the platform's settings."""
     from ascend_mepic.offline import mepic_llm_kwargs
 
-    policy = job["policy"]
+    policy, options = split_variant(job["policy"])
     stock = policy == "prefix"
-    kwargs = {"enable_prefix_caching": True} if stock else mepic_llm_kwargs(policy=policy)
+    kwargs = (
+        {"enable_prefix_caching": True} if stock else mepic_llm_kwargs(policy=policy, **options)
+    )
     if job.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = job["max_num_batched_tokens"]
     if job.get("record_steps"):  # calibration (``bench profile``): each step's work is recorded
