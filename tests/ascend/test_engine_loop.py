@@ -80,7 +80,9 @@ class EmulatedEngine:
 
         from ascend_mepic.offline import mepic_llm_kwargs
 
-        kwargs = {**mepic_llm_kwargs(policy=policy), "worker_cls": WORKER_CLS}
+        # a and b have other prefixes and share chunks: unanchored compiles, as the oracle.
+        anchor = {"chunk_anchor": "none"} if policy not in ("full",) else {}
+        kwargs = {**mepic_llm_kwargs(policy=policy, **anchor), "worker_cls": WORKER_CLS}
         assert kwargs["enforce_eager"] and kwargs["async_scheduling"] is False  # NPU defaults
         self.llm = LLM(
             model=model,
@@ -161,6 +163,7 @@ def _cpu_path(model: str, policy: str, reqs: dict[str, list[Segment]]) -> list[l
         "model": model,
         "mepic": True,
         "policy": policy,
+        "options": {"chunk_anchor": "none"} if policy != "full" else {},  # as the NPU path's
         "block_size": BLOCK,
         "max_model_len": 1024,
         "max_tokens": MAX_TOKENS,

@@ -39,7 +39,7 @@ def build(options: dict) -> MepicConfig:
         ({"chunk_anchor_max_tokens": 0}, "'chunk_anchor_max_tokens': Input should be greater"),
         (
             {"chunk_anchor": "prefix", "policy": "epic-16"},
-            "chunk_anchor 'prefix' applies to shared-placement policies",
+            "'chunk_anchor': 'prefix' applies to shared-placement policies",
         ),
     ],
 )

@@ -53,6 +53,8 @@ def runs(model, requests) -> dict[str, dict]:
     out = {}
     for policy in POLICIES:
         options = {"blend_check_layer": 0} if policy.startswith("cacheblend") else {}
+        if parse_policy(policy).placement is Placement.SHARED:
+            options["chunk_anchor"] = "none"  # the reference's unanchored semantics
         out[policy] = run_engine(
             {
                 "model": model,

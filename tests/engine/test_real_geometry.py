@@ -124,6 +124,8 @@ def _runner_job(job: dict[str, Any]) -> dict[str, Any]:
         "kv_cache_bytes": KV_CACHE_BYTES,
         "batches": [[{"segments": r} for r in batch] for batch in job["batches"]],
         "reset_before": job["reset_before"],
+        # A and B have other prefixes and share chunks: unanchored compiles, as the reference.
+        "options": {"chunk_anchor": "none"} if job["policy"] == "mepic" else {},
     }
 
 

@@ -70,7 +70,9 @@ def mepic_job(model, requests, block_size: int, tensor_parallel_size: int = 1) -
         ],
         "reset_before": [3],
         "tensor_parallel_size": tensor_parallel_size,
-        "options": {"max_chunks_per_request": MAX_CHUNKS},
+        # Unanchored compiles: a and b (other prefixes) share chunks, checked against the
+        # unanchored oracle; the default (anchored) is checked by ``anchored`` below.
+        "options": {"max_chunks_per_request": MAX_CHUNKS, "chunk_anchor": "none"},
         # Refused in the front end, before the engine core: one chunk too many (through the
         # offline helper), and segments that do not add up to the prompt (plain LLM.generate).
         "refuse": [
@@ -204,8 +206,8 @@ def test_tensor_parallel_2_equals_1_with_mepic_on(model, requests, mepic_run, bl
 
 
 @pytest.fixture(scope="module")
-def anchored(model, requests):
-    """``chunk_anchor: prefix`` at block 16: c and d share a prefix and place the chunks in
+def anchored(model, requests, block_size):
+    """The default ``chunk_anchor: prefix``, at blocks 16 and 128: c and d share a prefix and place the chunks in
     other orders with other questions; e has another prefix. c alone (cold), c and d together,
     e, then c again (warm), with every ready chunk's KV digested after each batch."""
     a, _ = requests
@@ -217,10 +219,9 @@ def anchored(model, requests):
     job = {
         "model": model,
         "mepic": True,
-        "block_size": 16,
+        "block_size": block_size,
         "max_tokens": 4,
         "batches": [[encode(c)], [encode(c), encode(d)], [encode(e)], [encode(c)]],
-        "options": {"chunk_anchor": "prefix"},
         "chunk_digests": True,
     }
     return (c, d, e), run_engine(job)

@@ -312,6 +312,7 @@ def _mepic_run(case: tuple, model: str) -> dict[str, Any]:
     reqs = requests(model)
     job = {"model": model, "dtype": dtype, "graphs": graphs, "block_size": block_size,
            "mepic": True, "policy": "mepic", "max_tokens": MAX_TOKENS,
+           "options": {"chunk_anchor": "none"},  # a, b: other prefixes, chunks shared
            "batches": [[reqs["a"]], [reqs["b"], reqs["a"]], [reqs["b"]]],
            "reset_before": [2]}  # fmt: skip
     return {"model": model, **run_engine(job)}

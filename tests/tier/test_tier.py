@@ -46,7 +46,8 @@ def _run(
             "model": model,
             "mepic": True,
             "policy": "mepic",
-            "options": {"tier": tier} if tier else {},
+            # a and b (other prefixes) share chunks: unanchored compiles.
+            "options": {"chunk_anchor": "none", **({"tier": tier} if tier else {})},
             "block_size": block_size,
             "max_tokens": 4,
             "logprobs": 3,
