@@ -248,6 +248,9 @@ class Boundaries:
 
 
 def _only_text(part: Any, label: str) -> dict[str, Any]:
+    """A text part as a dict (vLLM also takes a bare string as one)."""
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
     if not isinstance(part, dict) or part.get("type") != "text":
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         raise MepicRequestError(f"{label}: only text content can be used with chunks, got {kind}")

@@ -136,11 +136,14 @@ def chat_response(resp: CompletionResponse, top_logprobs: int | None) -> ChatCom
                 logprobs=chat_logprobs(c.logprobs, top_logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                token_ids=c.token_ids,
             )
             for c in resp.choices
         ],
         usage=resp.usage,
         system_fingerprint=resp.system_fingerprint,
+        # with return_token_ids: the prompt the model saw (every choice shares it)
+        prompt_token_ids=resp.choices[0].prompt_token_ids if resp.choices else None,
     )
 
 

@@ -95,6 +95,7 @@ _CHAT_TO_COMPLETION_FIELDS = (
     "repetition_penalty",
     "request_id",
     "response_format",
+    "return_token_ids",
     "seed",
     "session_id",
     "skip_special_tokens",

@@ -147,5 +147,9 @@ def raw_message_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return "".join(
+            p if isinstance(p, str) else str(p.get("text") or "")
+            for p in content
+            if isinstance(p, str | dict)
+        )
     return ""
