@@ -75,6 +75,7 @@ from ascend_mepic.vllm_integration.openai_api import (
     render_chat_prompt,
     with_sse_keep_alive,
 )
+from ascend_mepic.vllm_integration.stat_logger import read_stats
 
 # Chat fields that mean the same in a completion request and travel with a marked chat request.
 _CHAT_TO_COMPLETION_FIELDS = (
@@ -269,11 +270,13 @@ class MepicService:
     ) -> Response:
         """Run a MEPIC completion through vLLM's serving layer; engine rejections become 400."""
         handler = self.state.openai_serving_completion
+        header = raw_request.headers.get("X-Request-Id") if raw_request is not None else None
+        base_id = header or request.request_id  # how vLLM names the engine request
         try:
             result = await handler.create_completion(request, raw_request)
         except GenerationError:
             # Finish reason "error": MEPIC finishes requests it can never place that way.
-            return error_json(ENGINE_REJECTED)
+            return error_json(*self.rejection(base_id))
         if isinstance(result, ErrorResponse):
             return JSONResponse(content=result.model_dump(), status_code=result.error.code)
         if isinstance(result, CompletionResponse):
@@ -291,7 +294,7 @@ class MepicService:
             or (is_finished_with_error_event(event_data(first)))
         ):
             await result.aclose()
-            return error_json(ENGINE_REJECTED)
+            return error_json(*self.rejection(base_id))
 
         async def replay() -> AsyncGenerator[str, None]:
             if first is not None:
@@ -304,6 +307,17 @@ class MepicService:
             content=with_sse_keep_alive(events, self.sse_keep_alive),
             media_type="text/event-stream",
         )
+
+    def rejection(self, base_id: str) -> tuple[str, HTTPStatus]:
+        """Why the engine refused the request vLLM named ``cmpl-{base_id}-...``: the reason the
+        scheduler published in the stats file (``MepicScheduler.recent_rejections``), else
+        the generic message (stats off, or the entry already rotated out)."""
+        stats = read_stats(self.config.stats_file) or {}
+        prefix = f"cmpl-{base_id}-"
+        for request_id, reason, status in reversed(stats.get("rejections") or []):
+            if str(request_id).startswith(prefix):
+                return f"MEPIC rejected the request: {reason}", HTTPStatus(int(status))
+        return ENGINE_REJECTED, HTTPStatus.BAD_REQUEST
 
     # ------------------------------------------------ chat
 
@@ -383,7 +397,7 @@ class MepicService:
         try:
             result = await self.state.openai_serving_completion.create_completion(request, None)
         except GenerationError:
-            raise MepicRequestError(ENGINE_REJECTED) from None
+            raise MepicRequestError(*self.rejection(request.request_id)) from None
         if isinstance(result, ErrorResponse):
             raise MepicRequestError(result.error.message, HTTPStatus(result.error.code))
 
