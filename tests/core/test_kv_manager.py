@@ -422,7 +422,7 @@ def test_pinned_chunks_are_never_evicted_until_unpinned():
     finish(m, big)
     assert entry.pinned and m.chunk_cache.stats.evictions == 0
     too_big = make_request("too_big", [Segment.prompt(range(1, (free + 1) * B))], B)
-    with pytest.raises(MepicCapacityError):
+    with pytest.raises(MepicCapacityError, match="pinned chunks .POST /v1/chunks. hold 2 of"):
         m.track(too_big)
     unpin = make_request("unpin", [c, Segment.prompt([1])], B)
     assert m.unpin_chunks(unpin) == 1

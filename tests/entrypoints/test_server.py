@@ -30,6 +30,7 @@ STARTUP_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 60
 
 BEGIN, END = "<<<MEPIC_CHUNK>>>", "<<<END_MEPIC_CHUNK>>>"
+PER_SALT_PINNED_BLOCKS = 10
 DOCS = [
     "The quick fox sees the old river near a small village. A brave teacher helps the "
     "student across the bridge. Every morning the farmer carries a golden letter to the market.",
@@ -147,7 +148,9 @@ def launch_server(model: str, tmp: Path, extra_args: list[str] = ()) -> tuple[st
 def server(model, tmp_path_factory, request) -> str:
     # A request's chat_template (trusted here) renders vLLM's documents, which the tiny
     # model's template does not.
-    args = ["--trust-request-chat-template"]
+    # A small per-salt pin quota (blocks of 32 tokens) makes the quota testable.
+    config = {"mepic": {"max_pinned_blocks_per_salt": PER_SALT_PINNED_BLOCKS}}
+    args = ["--trust-request-chat-template", "--additional-config", json.dumps(config)]
     url, stop = launch_server(model, tmp_path_factory.mktemp("mepic-server"), args)
     request.addfinalizer(stop)
     return url
@@ -575,6 +578,33 @@ def test_malformed_structured_requests_are_400(client, body, needle):
     r = client.post(route, json={**body, "max_tokens": 2})
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+
+
+def test_pins_past_a_salts_quota_are_429_and_other_tenants_are_served(client):
+    """One tenant registering chunk after chunk gets a 429 naming its limit, before anything
+    is evicted; another tenant's requests and registrations keep being served."""
+    ids, refused = [], None
+    for i in range(12):
+        doc = f"Note {i}: " + DOCS[i % 4] + " " + DOCS[(i + 1) % 4]
+        r = client.post("/v1/chunks", json={"text": doc, "cache_salt": "greedy"})
+        if r.status_code != 200:
+            refused = r
+            break
+        ids.append(r.json()["id"])
+    assert refused is not None and refused.status_code == 429, refused and refused.text
+    message = refused.json()["error"]["message"]
+    assert "max_pinned_blocks_per_salt" in message and f"of the {PER_SALT_PINNED_BLOCKS}" in message
+    assert len(ids) >= 2
+    metrics = fresh_stats(client)["metrics"]
+    assert metrics["pinned_blocks_per_salt_limit"] == PER_SALT_PINNED_BLOCKS
+    assert 0 < metrics["pinned_blocks_top_salt"] <= PER_SALT_PINNED_BLOCKS
+    assert metrics["pinned_blocks"] <= metrics["pinned_blocks_limit"]
+    r = complete(client, marked(DOCS[0], "Still served?"), cache_salt="other")
+    assert r.status_code == 200, r.text
+    other = client.post("/v1/chunks", json={"text": DOCS[1], "cache_salt": "other"})
+    assert other.status_code == 200, other.text
+    for chunk_id in [*ids, other.json()["id"]]:
+        assert client.delete(f"/v1/chunks/{chunk_id}").status_code == 200
 
 
 # ---------------------------------------------------------------- without a server
