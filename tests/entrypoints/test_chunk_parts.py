@@ -171,3 +171,66 @@ def test_policies_that_ignore_segments_see_the_text_tokenized_once(tok):
     )
     assert [s.kind.value for s in with_ref] == ["prompt", "chunk", "prompt"]
     assert with_ref[1].token_ids == (7, 8, 9)
+
+
+@pytest.fixture(scope="module")
+def online():
+    """vLLM's own chat renderer for the tiny model, as its API server builds it (no engine)."""
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.renderers.online_renderer import OnlineRenderer
+    from vllm.renderers.registry import renderer_from_config
+
+    model = ModelConfig(model=str(prepare_tiny_llama()), dtype="float32")
+    return OnlineRenderer(
+        model_config=model,
+        renderer=renderer_from_config(VllmConfig(model_config=model)),
+        request_logger=None,
+        chat_template=None,
+        chat_template_content_format="auto",
+        trust_request_chat_template=True,
+    )
+
+
+DOCS_TEMPLATE = (
+    "{% for d in documents %}{{ 'Doc ' + d['title'] + ': ' + d['text'] + '\\n' }}{% endfor %}"
+    "{% for m in messages %}<{{ m['role'] }}>"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endif %}"
+    "{% endfor %}<assistant>"
+)
+
+
+@pytest.mark.parametrize("content_format", ["string", "openai"])
+def test_segment_ignoring_policies_get_stock_vllms_tokens(online, tok, content_format):
+    """The structured request's pieces are exactly the prompt vLLM's own chat path renders
+    (parts joined as vLLM joins them, for either content format; documents rendered by the
+    template), and ``full`` / ``prefix`` send exactly vLLM's tokens for it."""
+    import asyncio
+
+    from ascend_mepic.entrypoints.server.service import chat_pieces
+    from ascend_mepic.vllm_integration.openai_api import ChatCompletionRequest
+
+    parts = [{"type": "text", "text": "Read:"}, chunk_part("Paris is in France."), "Q?"]
+    body = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": parts},
+        ],
+        "documents": [{"title": "a", "text": "Berlin is in Germany."}],
+        "mepic": {"chunk_documents": True},
+        "chat_template": DOCS_TEMPLATE,
+    }
+    request = ChatCompletionRequest.model_validate(body)
+    online.chat_template_content_format = content_format
+    pieces, structured = asyncio.run(chat_pieces(online, request, Markers()))
+    _, (stock,) = asyncio.run(online.render_chat(request))
+    assert structured and [p.kind for p in pieces].count("chunk") == 2
+    text = tok.decode(stock["prompt_token_ids"])
+    assert "".join(p.text for p in pieces) == text
+    assert ("Read:\nParis" in text) == (content_format == "string")
+
+    def resolve(chunk_id: str) -> list[int]:
+        raise AssertionError("no references here")
+
+    whole = pieces_segments(tok, pieces, resolve, add_bos=False, keep_boundaries=False)
+    assert list(whole[0].token_ids) == stock["prompt_token_ids"]

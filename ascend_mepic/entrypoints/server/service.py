@@ -330,37 +330,11 @@ class MepicService:
         and removed before each segment is tokenized alone, so the template's own tokens
         (including any BOS it writes) stay in prompt segments.
         """
-        extra = request.model_extra or {}
-        structured = is_structured_chat(request.messages, extra)
-        if not structured and not any(
-            isinstance(m, dict) and has_markup(raw_message_text(m.get("content")), self.markers)
-            for m in request.messages
-        ):
+        found = await chat_pieces(self.state.online_renderer, request, self.markers)
+        if found is None:
             return None
-        flags = request_flags(extra)
+        pieces, structured = found
         xargs = dict(request.vllm_xargs or {})
-        if EXTRA_ARGS_KEY in xargs:
-            raise MepicRequestError(
-                f"send either chunks in the messages or vllm_xargs.{EXTRA_ARGS_KEY}"
-            )
-        boundaries = Boundaries(request.model_dump_json())
-        if structured:
-            messages = wrap_chunk_parts(request.messages, boundaries)
-        else:
-            messages = wrap_marked_messages(request.messages, self.markers, boundaries)
-        documents = request.documents
-        if flags is not None and flags.chunk_documents:
-            if not documents:
-                raise MepicRequestError("mepic.chunk_documents needs documents in the request")
-            documents = boundaries.documents(documents)
-        _reject_unsupported_chat(request)
-        try:
-            text = await render_chat_prompt(
-                self.state.online_renderer, request, messages, documents
-            )
-        except ValueError as e:
-            raise MepicRequestError(f"the chat template failed: {e}") from None
-        pieces = boundaries.split(text)
         # The older form keeps its boundaries under every policy, as it always did.
         segs = await self.piece_segments(
             pieces, request.cache_salt, request.add_special_tokens, None if structured else True
@@ -452,6 +426,46 @@ class MepicService:
             "ref": chunk_ref(chunk.id),
             "holders": self.registry.holders(chunk.id),  # registrations not yet deleted
         }
+
+
+async def chat_pieces(
+    online_renderer: Any, request: ChatCompletionRequest, markers: Markers
+) -> tuple[list[Piece], bool] | None:
+    """A chat request's rendered prompt as pieces, and whether it is in the structured form;
+    None when it has no chunks (neither form).
+
+    Chunk parts, references and documents (the structured form, ``chunk_parts``) or the older
+    markers become sentinels in the messages; vLLM's renderer renders the chat (its template,
+    content format and documents); the sentinels are split out of the text and removed.
+    """
+    extra = request.model_extra or {}
+    structured = is_structured_chat(request.messages, extra)
+    if not structured and not any(
+        isinstance(m, dict) and has_markup(raw_message_text(m.get("content")), markers)
+        for m in request.messages
+    ):
+        return None
+    flags = request_flags(extra)
+    if EXTRA_ARGS_KEY in (request.vllm_xargs or {}):
+        raise MepicRequestError(
+            f"send either chunks in the messages or vllm_xargs.{EXTRA_ARGS_KEY}"
+        )
+    boundaries = Boundaries(request.model_dump_json())
+    if structured:
+        messages = wrap_chunk_parts(request.messages, boundaries)
+    else:
+        messages = wrap_marked_messages(request.messages, markers, boundaries)
+    documents = request.documents
+    if flags is not None and flags.chunk_documents:
+        if not documents:
+            raise MepicRequestError("mepic.chunk_documents needs documents in the request")
+        documents = boundaries.documents(documents)
+    _reject_unsupported_chat(request)
+    try:
+        text = await render_chat_prompt(online_renderer, request, messages, documents)
+    except ValueError as e:
+        raise MepicRequestError(f"the chat template failed: {e}") from None
+    return boundaries.split(text), structured
 
 
 def _reject_unsupported_completion(request: CompletionRequest) -> None:
