@@ -146,6 +146,31 @@ class MepicConfig:
             ),
         ),
     ] = DEFAULT_MAX_CHUNKS
+    pinned_kv_fraction: Annotated[
+        float,
+        Strict(),
+        Field(
+            gt=0,
+            le=1,
+            description=(
+                "the most of the KV pool's usable blocks that chunks pinned through "
+                "`POST /v1/chunks` may hold, every tenant together; a registration past it gets "
+                "HTTP 429, so other requests always keep the rest of the pool"
+            ),
+        ),
+    ] = 0.5
+    max_pinned_blocks_per_salt: Annotated[
+        int,
+        Strict(),
+        Field(
+            ge=0,
+            description=(
+                "the most KV blocks one `cache_salt`'s pinned chunks may hold (requests without "
+                "a salt count as one tenant); a registration past it gets HTTP 429; `0`: only "
+                "`pinned_kv_fraction` applies"
+            ),
+        ),
+    ] = 0
 
     @field_validator("policy")
     @classmethod

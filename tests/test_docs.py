@@ -40,7 +40,7 @@ def doc_blocks() -> dict[str, tuple[str, str, str]]:
 
 
 def test_the_docs_mark_their_runnable_blocks():
-    assert set(doc_blocks()) == {"serve", "offline", "plain-vllm"}
+    assert set(doc_blocks()) == {"serve", "offline", "plain-vllm", "openai-chat"}
 
 
 def _env() -> dict[str, str]:
@@ -71,16 +71,29 @@ def _substitute(code: str, model: str, port: int) -> str:
 
 
 class _Session:
-    """A shell block that starts a server in the background and talks to it, run as written;
+    """A shell block that starts a server in the background and talks to it, run as written,
+    then the Python blocks ``then`` against the same server (no server start of their own);
     the server (and anything else the block started) is killed when it ends."""
 
     def __init__(
-        self, name: str, model: str, tmp_path: Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        model: str,
+        tmp_path: Path,
+        env: dict[str, str] | None = None,
+        then: Sequence[str] = (),
     ) -> None:
         _, lang, code = doc_blocks()[name]
         assert lang == "bash"
         self.name, self.out, self.err = name, tmp_path / f"{name}.out", tmp_path / f"{name}.err"
-        script = "set -euo pipefail\n" + _substitute(code, model, _free_port())
+        port = _free_port()
+        script = "set -euo pipefail\n" + _substitute(code, model, port)
+        for extra in then:
+            _, lang, python = doc_blocks()[extra]
+            assert lang == "python"
+            script += (
+                f"\npython - <<'DOC_TEST_EOF'\n{_substitute(python, model, port)}DOC_TEST_EOF\n"
+            )
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
                 ["bash", "-c", script],
@@ -144,7 +157,8 @@ def sessions(tiny_model, tmp_path_factory) -> dict[str, tuple[int | None, str, s
         "PROMETHEUS_MULTIPROC_DIR": str(tmp / "prometheus"),
     }
     running = [
-        _Session("serve", tiny_model, tmp, env=hidden),
+        # serving.md's openai-client example runs against the README's server
+        _Session("serve", tiny_model, tmp, env=hidden, then=["openai-chat"]),
         _Session("plain-vllm", tiny_model, tmp),
     ]
     deadline = time.monotonic() + SESSION_TIMEOUT_S
@@ -178,8 +192,15 @@ def test_serving_needs_no_evaluation_package():
 
 def test_readme_serve_session(sessions):
     out = _session_output(sessions, "serve")
-    assert '"choices"' in out and '"text"' in out, out
+    assert '"chat.completion"' in out and '"content"' in out, out
     assert re.search(r"^ascend_mepic_chunk_misses_total [1-9]", out, re.M), out
+
+
+def test_serving_md_openai_client_example(sessions):
+    """serving.md's official-``openai``-client example (chunk content parts) runs as written
+    against the README's server: both questions are answered, and the documents are shared."""
+    out = _session_output(sessions, "serve")
+    assert re.search(r"^chunk hits: [1-9]", out, re.M), out
 
 
 def test_serving_md_plain_vllm_command(sessions):

@@ -45,6 +45,7 @@ class ChunkEntry:
     owner: str | None = None  # request that compiles it while PENDING
     refs: int = 0
     pinned: bool = False
+    tenant: str | None = None  # the cache salt (tenants never share a block)
 
     @property
     def block_ids(self) -> list[int]:
@@ -161,8 +162,13 @@ class ChunkCache:
         self.stats = ChunkCacheStats()
         self._pending: list[ChunkEntry] = []
         # Block id -> pinned chunks stored in it: read at every request's arrival, so kept as
-        # chunks are pinned, unpinned, moved or dropped rather than counted over every chunk.
+        # chunks are pinned, unpinned, moved or dropped rather than counted over every chunk;
+        # the same per tenant, for the per-salt pin quota.
         self._pinned: Counter[int] = Counter()
+        self._pinned_by_tenant: dict[str | None, Counter[int]] = {}
+        # Pin requests admitted but not yet pinned: request id -> (tenant, blocks at most), so
+        # two registrations in flight together cannot both pass the quota.
+        self._pin_reserved: dict[str, tuple[str | None, int]] = {}
 
     def lookup(self, chunk_id: ChunkId) -> ChunkEntry | None:
         return self.entries.get(chunk_id)
@@ -173,7 +179,7 @@ class ChunkCache:
         assert chunk_id not in self.entries and 0 < num_canonical <= num_tokens
         blocks, offset = self.arena.place(num_canonical, tenant)
         self.residents.update(b.block_id for b in blocks)
-        entry = ChunkEntry(chunk_id, num_tokens, blocks, offset, num_canonical)
+        entry = ChunkEntry(chunk_id, num_tokens, blocks, offset, num_canonical, tenant=tenant)
         self.entries[chunk_id] = entry
         return entry
 
@@ -201,7 +207,7 @@ class ChunkCache:
 
     def _free(self, entry: ChunkEntry) -> None:
         if entry.pinned:  # a pinned chunk dropped before its compile ran, or a failed load
-            self._count_pinned(entry.blocks, -1)
+            self._count_pinned(entry, -1)
         self._unrecord(entry.blocks)
         self.block_pool.free_blocks(entry.blocks)
         self.arena.forget_freed()
@@ -246,11 +252,11 @@ class ChunkCache:
         old = (entry.blocks, entry.offset)
         self._unrecord(entry.blocks)
         if entry.pinned:
-            self._count_pinned(entry.blocks, -1)
+            self._count_pinned(entry, -1)
         entry.blocks, entry.offset = self.arena.place(entry.num_canonical, tenant)
         self.residents.update(b.block_id for b in entry.blocks)
         if entry.pinned:
-            self._count_pinned(entry.blocks, 1)
+            self._count_pinned(entry, 1)
         self.stats.moves += 1
         return old
 
@@ -295,13 +301,13 @@ class ChunkCache:
     def pin(self, entry: ChunkEntry) -> None:
         self.lru.discard(entry)
         if not entry.pinned:
-            self._count_pinned(entry.blocks, 1)
+            self._count_pinned(entry, 1)
         entry.pinned = True
 
     def unpin(self, entry: ChunkEntry) -> None:
         if not entry.pinned:
             return
-        self._count_pinned(entry.blocks, -1)
+        self._count_pinned(entry, -1)
         entry.pinned = False
         if entry.refs == 0:
             self.lru.add(entry)
@@ -347,18 +353,54 @@ class ChunkCache:
         idle = {b.block_id for e in self.lru.oldest_first() for b in e.blocks}
         return len(idle - live)
 
-    def _count_pinned(self, blocks: list[KVCacheBlock], delta: int) -> None:
-        pinned = self._pinned
-        for b in blocks:
-            n = pinned[b.block_id] + delta
-            if n:
-                pinned[b.block_id] = n
-            else:
-                del pinned[b.block_id]
+    def _count_pinned(self, entry: ChunkEntry, delta: int) -> None:
+        tenant = self._pinned_by_tenant.setdefault(entry.tenant, Counter())
+        for pinned in (self._pinned, tenant):
+            for b in entry.blocks:
+                n = pinned[b.block_id] + delta
+                if n:
+                    pinned[b.block_id] = n
+                else:
+                    del pinned[b.block_id]
+        if not tenant:
+            del self._pinned_by_tenant[entry.tenant]
 
-    def num_pinned_blocks(self) -> int:
-        """Distinct blocks holding a pinned chunk (kept up to date, not counted here)."""
-        return len(self._pinned)
+    def num_pinned_blocks(self, tenant: str | None = None, *, all_tenants: bool = True) -> int:
+        """Distinct blocks holding a pinned chunk, of every tenant or of ``tenant`` (kept up to
+        date, not counted here)."""
+        if all_tenants:
+            return len(self._pinned)
+        return len(self._pinned_by_tenant.get(tenant, ()))
+
+    def max_tenant_pinned_blocks(self) -> int:
+        """The pinned blocks of the tenant that pins the most."""
+        return max((len(c) for c in self._pinned_by_tenant.values()), default=0)
+
+    def pin_growth(self, chunks: list[tuple[ChunkId, int]]) -> int:
+        """Blocks, at most, that pinning these (identity, canonical tokens) chunks adds to the
+        pinned ones: a resident chunk's blocks not pinned yet; a new chunk's whole placement
+        (its blocks, plus the open block it may start in)."""
+        seen: set[int] = set()
+        need = 0
+        for chunk_id, num_canonical in chunks:
+            entry = self.entries.get(chunk_id)
+            if entry is None:
+                need += self.arena.new_blocks_bound(num_canonical) + 1
+                continue
+            fresh = {b.block_id for b in entry.blocks} - set(self._pinned) - seen
+            seen |= fresh
+            need += len(fresh)
+        return need
+
+    def reserve_pins(self, request_id: str, tenant: str | None, num_blocks: int) -> None:
+        self._pin_reserved[request_id] = (tenant, num_blocks)
+
+    def release_pins(self, request_id: str) -> None:
+        self._pin_reserved.pop(request_id, None)
+
+    def reserved_pins(self, tenant: str | None = None, *, all_tenants: bool = True) -> int:
+        """Blocks reserved by pin requests admitted but not yet pinned."""
+        return sum(n for t, n in self._pin_reserved.values() if all_tenants or t == tenant)
 
     def slot_utilisation(self) -> float:
         """Canonical tokens stored / slots of the blocks holding them (1.0: no padding)."""

@@ -121,5 +121,12 @@ class KVAccounting:
             "host_store_chunks": store.num_chunks() if store else 0,
             "resident_chunks": len(self.chunk_cache.entries),
             "pinned_chunks": sum(e.pinned for e in self.chunk_cache.entries.values()),
+            # the pinned-KV quota: blocks held against each limit (``RequestIntake``)
+            "pinned_blocks": self.chunk_cache.num_pinned_blocks(),
+            "pinned_blocks_limit": int(
+                num_usable_blocks(self.block_pool) * self.settings.pinned_fraction
+            ),
+            "pinned_blocks_top_salt": self.chunk_cache.max_tenant_pinned_blocks(),
+            "pinned_blocks_per_salt_limit": self.settings.pinned_per_salt,
             **{f"blocks_{k}": v for k, v in self.block_categories().items()},
         }

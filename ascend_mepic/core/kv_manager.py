@@ -216,6 +216,7 @@ class MepicKVCacheManager(KVCacheManager):
         """Drop a tracked request that was never allocated (e.g. rejected at admission)."""
         st = self._states.pop(request_id, None)
         assert st is None or not st.allocated
+        self.chunk_cache.release_pins(request_id)
 
     def get_plan(self, request_id: str) -> RequestPlan | None:
         st = self._states.get(request_id)
@@ -352,6 +353,8 @@ class MepicKVCacheManager(KVCacheManager):
 
     def _release(self, request: Request) -> None:
         self.room.release(request.request_id)  # preempted: not scheduled in this step after all
+        if request.is_finished():
+            self.chunk_cache.release_pins(request.request_id)
         st = self._states.get(request.request_id)
         if st is None:
             return

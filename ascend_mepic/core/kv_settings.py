@@ -34,3 +34,5 @@ class KVSettings:
     tier: TierIndex | None = None  # the off-device tier's index, when it is configured
     max_chunks: int = DEFAULT_MAX_CHUNKS  # chunks per request (``core.request_limits``)
     budgets: StepBudgets | None = None
+    pinned_fraction: float = 0.5  # of the usable pool, all pinned chunks together
+    pinned_per_salt: int = 0  # blocks one cache salt's pinned chunks may hold; 0: no own limit

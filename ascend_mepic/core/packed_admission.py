@@ -133,6 +133,7 @@ class PackedAdmission(Admission):
         if st.pin:
             for entry in st.entries:
                 self.chunk_cache.pin(entry)
+            self.chunk_cache.release_pins(request.request_id)  # now counted as pinned
         self.room.add_compiles(request.request_id, compiles)
         return table
 

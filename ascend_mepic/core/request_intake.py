@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ascend_mepic.core.chunk_cache import ChunkCache, ChunkEntry
-from ascend_mepic.core.errors import MepicCapacityError, MepicUnsupportedError
+from ascend_mepic.core.errors import MepicCapacityError, MepicQuotaError, MepicUnsupportedError
 from ascend_mepic.core.identity import ChunkId, chunk_identity
 from ascend_mepic.core.kv_settings import KVSettings
 from ascend_mepic.core.plan import RequestPlan, SequencePlacement
-from ascend_mepic.core.policies import arrival_layout
+from ascend_mepic.core.policies import Placement, arrival_layout
 from ascend_mepic.core.request_limits import RequestLimits
 from ascend_mepic.core.segments import (
     EXTRA_ARGS_KEY,
@@ -251,14 +251,59 @@ class RequestIntake:
         limits.check(layout, chunk_ids)
         self.room.check_request(layout, chunk_ids, len(anchor))
         worst_case = policy.worst_case_blocks(layout, chunk_ids)
-        usable = num_usable_blocks(self.block_pool) - self.chunk_cache.num_pinned_blocks()
-        if worst_case > usable:
-            raise MepicCapacityError(
+        total = num_usable_blocks(self.block_pool)
+        pinned = self.chunk_cache.num_pinned_blocks()
+        if worst_case > total - pinned:
+            need = (
                 f"the request needs up to {worst_case} KV blocks (its table of "
-                f"{layout.num_blocks} entries, chunk compiles' scratch) but the KV cache has only "
-                f"{usable} usable blocks beside the pinned chunks"
+                f"{layout.num_blocks} entries, chunk compiles' scratch)"
             )
+            if worst_case <= total:  # it fits the pool: the pinned chunks are in the way
+                raise MepicCapacityError(
+                    f"{need} but pinned chunks (POST /v1/chunks) hold {pinned} of the KV "
+                    f"cache's {total} usable blocks, leaving {total - pinned}: delete pinned "
+                    "chunks or lower the MEPIC option pinned_kv_fraction"
+                )
+            raise MepicCapacityError(f"{need} but the KV cache has only {total} usable blocks")
+        if extra.get(PIN_KEY) and policy.placement is Placement.SHARED:
+            self._reserve_pins(request, layout, chunk_ids)
         return layout, chunk_ids
+
+    def _reserve_pins(
+        self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
+    ) -> None:
+        """Refuse a pin request past the pinned-KV quota (MepicQuotaError, before anything is
+        allocated or evicted), else reserve what it may pin until its chunks are pinned."""
+        cache, settings, salt = self.chunk_cache, self.settings, request.cache_salt
+        cache.release_pins(request.request_id)  # a staged request is inspected twice
+        chunks = [
+            (chunk_id, sp.num_tokens - sp.private_tokens)
+            for sp in layout.chunk_spans
+            if (chunk_id := chunk_ids.get(sp.segment)) is not None
+        ]
+        growth = cache.pin_growth(chunks)
+        usable = num_usable_blocks(self.block_pool)
+        limit = int(usable * settings.pinned_fraction)
+        held = cache.num_pinned_blocks() + cache.reserved_pins()
+        if held + growth > limit:
+            raise MepicQuotaError(
+                f"MEPIC pinned-KV quota: pinning this chunk takes up to {growth} more KV blocks "
+                f"and pinned chunks hold {held} of the {limit} the engine allows "
+                f"(pinned_kv_fraction {settings.pinned_fraction} of {usable} usable blocks); "
+                "delete chunks (DELETE /v1/chunks/ID) or raise pinned_kv_fraction"
+            )
+        per_salt = settings.pinned_per_salt
+        if per_salt:
+            mine = cache.num_pinned_blocks(salt, all_tenants=False)
+            mine += cache.reserved_pins(salt, all_tenants=False)
+            if mine + growth > per_salt:
+                raise MepicQuotaError(
+                    f"MEPIC pinned-KV quota: pinning this chunk takes up to {growth} more KV "
+                    f"blocks and this cache_salt's pinned chunks hold {mine} of the {per_salt} "
+                    "one cache_salt may pin (max_pinned_blocks_per_salt); delete chunks "
+                    "(DELETE /v1/chunks/ID) or raise max_pinned_blocks_per_salt"
+                )
+        cache.reserve_pins(request.request_id, salt, growth)
 
     def named_chunks(self, request: Request) -> list[ChunkId]:
         """The identity of every chunk a (control) request's segments name, cached or not."""

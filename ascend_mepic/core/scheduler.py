@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from ascend_mepic.config import MepicConfig
 from ascend_mepic.core.engine_support import check_engine_supported
+from ascend_mepic.core.errors import MepicQuotaError
 from ascend_mepic.core.identity import ChunkId, model_fingerprint, weights_digest
 from ascend_mepic.core.kv_manager import MepicKVCacheManager
 from ascend_mepic.core.kv_settings import KVSettings, StepBudgets
@@ -56,6 +58,11 @@ class MepicScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.mepic_config = MepicConfig.from_additional_config(self.vllm_config.additional_config)
         self.mepic_errors: dict[str, tuple[int, str]] = {}  # request id -> (client, reason)
+        # Recent refusals at arrival, (request id, reason, HTTP status), published in the stats
+        # file at once so the API server can tell its client why (the engine's output carries
+        # only finish reason "error").
+        self.recent_rejections: deque[tuple[str, str, int]] = deque(maxlen=64)
+        self._rejections_unpublished = False
         self._finished_at_arrival: dict[str, tuple[int, RequestStatus]] = {}
         self._stats_written_at = 0.0
         if not self.mepic_config.enabled:
@@ -130,6 +137,8 @@ class MepicScheduler(Scheduler):
             store=store,
             tier=tier,
             max_chunks=self.mepic_config.max_chunks_per_request,
+            pinned_fraction=self.mepic_config.pinned_kv_fraction,
+            pinned_per_salt=self.mepic_config.max_pinned_blocks_per_salt,
             budgets=StepBudgets(
                 *self._batch,
                 int(self._batch[0] * fraction),
@@ -166,6 +175,7 @@ class MepicScheduler(Scheduler):
                 status = RequestStatus.FINISHED_STOPPED
             except (LayoutError, ValueError) as e:
                 self.mepic_errors[request.request_id] = (request.client_index, str(e))
+                self._note_rejection(request.request_id, e)
                 status = RequestStatus.FINISHED_ERROR
             self._finish_now(request, status)
             return
@@ -187,8 +197,14 @@ class MepicScheduler(Scheduler):
         logger.warning("MEPIC rejected request %s: %s", request.request_id, error)
         super().add_request(request)
         self.mepic_errors[request.request_id] = (request.client_index, str(error))
+        self._note_rejection(request.request_id, error)
         self.kv_cache_manager.forget(request.request_id)
         self._finish_now(request, RequestStatus.FINISHED_ERROR)
+
+    def _note_rejection(self, request_id: str, error: Exception) -> None:
+        status = 429 if isinstance(error, MepicQuotaError) else 400
+        self.recent_rejections.append((request_id, str(error), status))
+        self._rejections_unpublished = True
 
     def _release_staged(self) -> None:
         """Staged requests whose chunks are all stored (host store) or loaded (tier) join vLLM's
@@ -265,7 +281,9 @@ class MepicScheduler(Scheduler):
             "block_size": manager.mepic_block_size,
             "metrics": manager.metrics(),
             "recent_chunk_blocks": list(manager.recent_chunk_blocks)[-64:],
+            "rejections": list(self.recent_rejections),
         }
+        self._rejections_unpublished = False
         tmp = f"{path}.tmp"
         try:
             with open(tmp, "w", encoding="utf-8") as f:
@@ -298,8 +316,10 @@ class MepicScheduler(Scheduler):
         if self._finished_at_arrival:
             self._emit_finished_at_arrival(outputs)
         if self.mepic_manager is not None:
-            # Publish at once when the engine goes idle, so the last burst is never missing.
-            self._publish_stats(0.0 if not self.has_unfinished_requests() else 0.25)
+            # Publish at once when the engine goes idle, so the last burst is never missing,
+            # and when it refused a request, so its reason is there before its output leaves.
+            now = self._rejections_unpublished or not self.has_unfinished_requests()
+            self._publish_stats(0.0 if now else 0.25)
         return outputs
 
     def _emit_finished_at_arrival(self, outputs: dict[int, EngineCoreOutputs]) -> None:

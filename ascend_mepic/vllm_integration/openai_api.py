@@ -60,6 +60,7 @@ __all__ = [
     "create_error_response",
     "load_aware_call",
     "load_chat_template",
+    "render_chat_prompt",
     "validate_cache_salt",
     "validate_json_request",
     "with_cancellation",
@@ -72,3 +73,37 @@ def load_chat_template(chat_template: Any) -> Any:
     from vllm.entrypoints.chat_utils import load_chat_template as load
 
     return load(chat_template)
+
+
+async def render_chat_prompt(
+    online_renderer: Any,
+    request: ChatCompletionRequest,
+    messages: list[dict[str, Any]],
+    documents: list[dict[str, Any]] | None,
+) -> str:
+    """The prompt text vLLM's chat path renders for ``request`` with these messages and
+    documents: its renderer, chat template (the server's, or the request's where trusted),
+    content format and default template arguments, as ``OnlineRenderer.preprocess_chat`` uses
+    them, stopping before tokenization. Raises ValueError with vLLM's reason."""
+    from vllm.renderers import merge_kwargs
+
+    error = online_renderer.validate_chat_template(
+        request_chat_template=request.chat_template,
+        chat_template_kwargs=request.chat_template_kwargs,
+        trust_request_chat_template=online_renderer.trust_request_chat_template,
+    )
+    if error is not None:
+        raise ValueError(error.error.message)
+    shown = request.model_copy(update={"messages": messages, "documents": documents})
+    params = shown.build_chat_params(
+        online_renderer.chat_template, online_renderer.chat_template_content_format
+    ).with_defaults(
+        merge_kwargs(
+            online_renderer.default_chat_template_kwargs, {"tools": None, "tokenize": False}
+        )
+    )
+    _, prompt = await online_renderer.renderer.render_messages_async(messages, params)
+    text = prompt.get("prompt") if isinstance(prompt, dict) else None
+    if not isinstance(text, str):
+        raise ValueError("the chat template did not render to text")
+    return text

@@ -40,6 +40,12 @@ TOTALS = {
 LEVELS = {
     "resident_chunks": "Chunks with KV resident in the pool",
     "pinned_chunks": "Chunks pinned through the chunk API",
+    "pinned_blocks": "KV blocks pinned chunks hold, every tenant together",
+    "pinned_blocks_limit": "The most KV blocks pinned chunks may hold (pinned_kv_fraction)",
+    "pinned_blocks_top_salt": "KV blocks the cache_salt that pins the most holds",
+    "pinned_blocks_per_salt_limit": (
+        "The most KV blocks one cache_salt may pin (max_pinned_blocks_per_salt; 0: no own limit)"
+    ),
 }
 POOL = {"num_blocks": "Usable KV blocks", "block_size": "Tokens per block"}
 

@@ -422,7 +422,7 @@ def test_pinned_chunks_are_never_evicted_until_unpinned():
     finish(m, big)
     assert entry.pinned and m.chunk_cache.stats.evictions == 0
     too_big = make_request("too_big", [Segment.prompt(range(1, (free + 1) * B))], B)
-    with pytest.raises(MepicCapacityError):
+    with pytest.raises(MepicCapacityError, match="pinned chunks .POST /v1/chunks. hold 2 of"):
         m.track(too_big)
     unpin = make_request("unpin", [c, Segment.prompt([1])], B)
     assert m.unpin_chunks(unpin) == 1
@@ -557,3 +557,59 @@ def test_anchored_compiles_run_after_the_prefix_and_key_the_chunk_by_it():
     check_conservation(m)
     m.new_step_starts()
     check_conservation(m)
+
+
+def test_pin_quota_refuses_registrations_past_each_limit_and_nothing_else():
+    """Pins past the engine-wide limit (a fraction of the pool) or a cache salt's own limit are
+    refused at arrival with MepicQuotaError, counting pins still in flight; an ordinary request
+    of any tenant is still served, and unpinning gives the room back."""
+    from dataclasses import replace
+
+    from ascend_mepic.core.errors import MepicQuotaError
+    from ascend_mepic.core.kv_settings import KVSettings
+    from ascend_mepic.core.segments import PIN_KEY
+    from ascend_mepic.eval.kvsim import SIM_MODEL, kv_cache_config
+    from ascend_mepic.vllm_integration.core_types import sha256_cbor
+
+    def manager(settings: KVSettings) -> MepicKVCacheManager:
+        common = dict(max_model_len=4096, scheduler_block_size=B, hash_block_size=B)
+        return MepicKVCacheManager(
+            kv_cache_config(41, B),  # 40 usable blocks
+            hash_fn=sha256_cbor,
+            model_fingerprint=SIM_MODEL,
+            enable_caching=True,
+            settings=settings,
+            **common,
+        )
+
+    def pin(m, rid, seed, salt=None):
+        r = make_request(rid, [chunk(seed, 16 + 3 * B), Segment.prompt([1])], B, cache_salt=salt)
+        r.sampling_params.extra_args[PIN_KEY] = 1
+        return r
+
+    # The engine-wide limit: a quarter of 40 blocks, every tenant together.
+    m = manager(replace(KVSettings(), pinned_fraction=0.25))
+    assert m.track(pin(m, "a1", 1, "a"))  # up to 4 blocks each (3, and an open block)
+    assert m.track(pin(m, "b1", 2, "b"))  # reserved, not pinned yet: 8 of 10
+    with pytest.raises(MepicQuotaError, match=r"hold 8 of the 10 .*pinned_kv_fraction 0\.25"):
+        m.track(pin(m, "c1", 3, "c"))
+    m.forget("b1")  # never admitted: its reservation goes with it
+    assert m.chunk_cache.reserved_pins() == 4
+    assert m.track(pin(m, "c1", 3, "c"))
+    # A salt's own limit; other tenants' pins and every ordinary request still go through.
+    m = manager(replace(KVSettings(), pinned_per_salt=8))
+    first = pin(m, "a1", 1, "a")
+    admit(m, first)
+    m.new_step_starts()
+    finish(m, first)
+    assert m.chunk_cache.num_pinned_blocks("a", all_tenants=False) == 3
+    assert m.chunk_cache.reserved_pins() == 0
+    assert m.track(pin(m, "a2", 2, "a"))  # 3 pinned + 4 reserved
+    with pytest.raises(MepicQuotaError, match="this cache_salt's pinned chunks hold 7 of the 8"):
+        m.track(pin(m, "a3", 3, "a"))
+    assert m.track(pin(m, "b1", 3, "b"))
+    plain = make_request("plain", [Segment.prompt(range(1, 20 * B))], B, cache_salt="a")
+    assert admit(m, plain) is not None
+    metrics = m.metrics()
+    assert metrics["pinned_blocks"] == 3 and metrics["pinned_blocks_top_salt"] == 3
+    assert metrics["pinned_blocks_limit"] == 20 and metrics["pinned_blocks_per_salt_limit"] == 8

@@ -30,6 +30,7 @@ STARTUP_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 60
 
 BEGIN, END = "<<<MEPIC_CHUNK>>>", "<<<END_MEPIC_CHUNK>>>"
+PER_SALT_PINNED_BLOCKS = 10
 DOCS = [
     "The quick fox sees the old river near a small village. A brave teacher helps the "
     "student across the bridge. Every morning the farmer carries a golden letter to the market.",
@@ -145,7 +146,12 @@ def launch_server(model: str, tmp: Path, extra_args: list[str] = ()) -> tuple[st
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory, request) -> str:
-    url, stop = launch_server(model, tmp_path_factory.mktemp("mepic-server"))
+    # A request's chat_template (trusted here) renders vLLM's documents, which the tiny
+    # model's template does not.
+    # A small per-salt pin quota (blocks of 32 tokens) makes the quota testable.
+    config = {"mepic": {"max_pinned_blocks_per_salt": PER_SALT_PINNED_BLOCKS}}
+    args = ["--trust-request-chat-template", "--additional-config", json.dumps(config)]
+    url, stop = launch_server(model, tmp_path_factory.mktemp("mepic-server"), args)
     request.addfinalizer(stop)
     return url
 
@@ -435,6 +441,170 @@ def test_completions_match_offline_engine(client, model):
     offline = run_engine(job)["batches"][0][0]["tokens"]
     assert choice["token_ids"] == offline
     assert token_level.json()["choices"][0]["token_ids"] == offline
+
+
+# The tiny model's template, plus vLLM's documents in a system turn before the messages.
+DOCS_TEMPLATE = (
+    "{% if documents %}{{ '<|im_start|>system\\n' }}{% for d in documents %}"
+    "{{ d['text'] + '\\n' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def chunk_part(text: str) -> dict:
+    return {"type": "text", "text": text, "mepic": {"chunk": True}}
+
+
+def ref_part(chunk_id: str) -> dict:
+    return {"type": "text", "text": "", "mepic": {"chunk_id": chunk_id}}
+
+
+def test_chunk_parts_references_and_documents_equal_the_marker_form(server, client, model):
+    """Through the official ``openai`` client: a chunk part, a reference part and vLLM's
+    ``documents`` give the marker form's prompt tokens and answer for the same text, and the
+    marker form then finds every chunk cached (the same chunks)."""
+    import openai
+
+    api = openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S)
+    question = "What happens?"
+
+    def chat(content, system: str | None = None, **extra) -> dict:
+        messages = [{"role": "user", "content": content}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
+        r = api.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=6,
+            temperature=0.0,
+            extra_body={"return_token_ids": True, "chat_template": DOCS_TEMPLATE, **extra},
+        )
+        return r.model_dump()
+
+    cid = client.post("/v1/chunks", json={"text": DOCS[3]}).json()["id"]
+    docs = [{"title": "a", "text": DOCS[1]}, {"title": "b", "text": DOCS[2]}]
+    structured = [
+        chat([{"type": "text", "text": "Read:"}, chunk_part(DOCS[0]), question]),
+        chat([ref_part(cid), {"type": "text", "text": question}]),
+        chat(question, documents=docs, mepic={"chunk_documents": True}),
+    ]
+    before = fresh_stats(client)["metrics"]
+    marked_form = [
+        chat(f"Read:\n{BEGIN}{DOCS[0]}{END}\n{question}"),
+        chat(f"{BEGIN}{DOCS[3]}{END}\n{question}"),
+        chat(question, system="".join(f"{BEGIN}{d['text']}{END}\n" for d in docs)),
+    ]
+    after = fresh_stats(client)["metrics"]
+    for got, want in zip(structured, marked_form, strict=True):
+        assert got["prompt_token_ids"] == want["prompt_token_ids"]
+        assert got["choices"][0]["message"] == want["choices"][0]["message"]
+    assert after["chunk_misses"] == before["chunk_misses"]
+    assert after["chunk_hits"] - before["chunk_hits"] == 4
+    assert client.delete(f"/v1/chunks/{cid}").status_code == 200
+
+
+def test_structured_form_serves_marker_strings_verbatim(client, model):
+    """In the structured form a marker string is text like any other (the marker form of the
+    same text is a 400), and a multi-part message is vLLM's prompt to the token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    typed = f"Q {BEGIN} and {END}<<<MEPIC_CHUNK_REF:x>>> "
+    r = complete(client, [typed, chunk_part(DOCS[0]), " tail"], return_token_ids=True)
+    assert r.status_code == 200, r.text
+    encode = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
+    want = [tok.bos_token_id, *encode(typed), *encode(DOCS[0]), *encode(" tail")]
+    assert r.json()["choices"][0]["prompt_token_ids"] == want
+    assert complete(client, typed + DOCS[0] + " tail").status_code == 400
+
+    parts = [{"type": "text", "text": t} for t in (typed, "second part", "third")]
+    messages = [{"role": "user", "content": parts}]
+    stock = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    body = {"messages": messages, "max_tokens": 2, "return_token_ids": True, "mepic": {}}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_token_ids"] == stock
+    assert stock == tok.encode(
+        tok.apply_chat_template(
+            [{"role": "user", "content": "\n".join(p["text"] for p in parts)}],
+            tokenize=False,
+            add_generation_prompt=True,
+        ),
+        add_special_tokens=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "x", "mepic": {"chunk": True, "bogus": 1}},
+                            "q",
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[0].mepic",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [chunk_part(""), "q"]}]},
+            "messages[0].content[0]: a chunk part needs non-empty text",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [ref_part("0" * 32), "q"]}]},
+            "unknown chunk id",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "q"}],
+                "mepic": {"chunk_documents": True},
+                "documents": [{"text": "d"}],
+            },
+            "does not render documents",
+        ),
+        ({"prompt": [{"text": "x", "mepic": {"chunk": 1}}, "q"]}, "prompt[0].mepic"),
+        ({"prompt": [{"text": "x", "mepic": {"chunk": True}}]}, "must end with prompt text"),
+    ],
+)
+def test_malformed_structured_requests_are_400(client, body, needle):
+    route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = client.post(route, json={**body, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_pins_past_a_salts_quota_are_429_and_other_tenants_are_served(client):
+    """One tenant registering chunk after chunk gets a 429 naming its limit, before anything
+    is evicted; another tenant's requests and registrations keep being served."""
+    ids, refused = [], None
+    for i in range(12):
+        doc = f"Note {i}: " + DOCS[i % 4] + " " + DOCS[(i + 1) % 4]
+        r = client.post("/v1/chunks", json={"text": doc, "cache_salt": "greedy"})
+        if r.status_code != 200:
+            refused = r
+            break
+        ids.append(r.json()["id"])
+    assert refused is not None and refused.status_code == 429, refused and refused.text
+    message = refused.json()["error"]["message"]
+    assert "max_pinned_blocks_per_salt" in message and f"of the {PER_SALT_PINNED_BLOCKS}" in message
+    assert len(ids) >= 2
+    metrics = fresh_stats(client)["metrics"]
+    assert metrics["pinned_blocks_per_salt_limit"] == PER_SALT_PINNED_BLOCKS
+    assert 0 < metrics["pinned_blocks_top_salt"] <= PER_SALT_PINNED_BLOCKS
+    assert metrics["pinned_blocks"] <= metrics["pinned_blocks_limit"]
+    r = complete(client, marked(DOCS[0], "Still served?"), cache_salt="other")
+    assert r.status_code == 200, r.text
+    other = client.post("/v1/chunks", json={"text": DOCS[1], "cache_salt": "other"})
+    assert other.status_code == 200, other.text
+    for chunk_id in [*ids, other.json()["id"]]:
+        assert client.delete(f"/v1/chunks/{chunk_id}").status_code == 200
 
 
 # ---------------------------------------------------------------- without a server

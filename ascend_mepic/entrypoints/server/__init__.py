@@ -1,11 +1,13 @@
-"""OpenAI-compatible serving with MEPIC: chunk markers, explicit chunks and metrics.
+"""OpenAI-compatible serving with MEPIC: chunks as request fields (or markers), explicit chunks
+and metrics.
 
 MEPIC joins vLLM's OpenAI server through two documented hooks, no patching:
 
 * a ``vllm.general_plugins`` entry (``ascend_mepic.plugin``) for every process, and
 * a ``vllm.endpoint_plugins`` entry, :class:`MepicEndpointPlugin`, in the API server process. It
   replaces ``POST /v1/completions`` and ``POST /v1/chat/completions`` (vLLM lets endpoint plugins
-  override routes) with handlers that turn chunk markers into MEPIC token-level requests and hand
+  override routes) with handlers that turn chunk parts, prompt pieces, documents and chunk
+  markers into MEPIC token-level requests and hand
   everything else to vLLM's own handlers unchanged, and adds the chunk API (``/v1/chunks``) and
   ``GET /v1/mepic/stats``. It also registers a Prometheus collector so ``/metrics`` shows the
   engine's MEPIC counters (``ascend_mepic_*``), read from the stats file the scheduler writes.
@@ -20,7 +22,9 @@ default Prometheus registry (a single API server).
 
 The package, one job per module:
 
-* ``segments``: prompt text to MEPIC segments (markers, chunk references, layout checks);
+* ``chunk_parts``: chunks as content parts, prompt pieces and documents; their boundaries as
+  sentinels through the chat template;
+* ``text_segments``: pieces and marked text to MEPIC segments (chunk references, layout checks);
 * ``registry``: the explicit chunks registered through the chunk API, counted by holder;
 * ``responses``: JSON errors, SSE events, completion responses rewritten as chat;
 * ``protocol``: request bodies of MEPIC's own endpoints;

@@ -1,8 +1,25 @@
 """Request bodies of MEPIC's own endpoints (the chunk API), as vLLM keeps its in ``protocol``."""
 
+from typing import Annotated, Any
+
 from pydantic import BaseModel, Field, model_validator
 
-from ascend_mepic.vllm_integration.openai_api import validate_cache_salt
+from ascend_mepic.vllm_integration.openai_api import CompletionRequest, validate_cache_salt
+
+
+class MepicCompletionRequest(CompletionRequest):
+    """vLLM's completion request, whose prompt may also be a list of pieces (strings and
+    ``{"text", "mepic"}`` objects, ``chunk_parts.completion_pieces``): one prompt whose chunks
+    are named beside the text, in the spirit of chat content parts."""
+
+    prompt: (
+        list[Annotated[int, Field(ge=0)]]
+        | list[list[Annotated[int, Field(ge=0)]]]
+        | str
+        | list[str]
+        | list[str | dict[str, Any]]
+        | None
+    ) = None
 
 
 class ChunkCreate(BaseModel):

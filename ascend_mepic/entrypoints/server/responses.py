@@ -31,6 +31,8 @@ from ascend_mepic.vllm_integration.openai_api import (
 
 def error_json(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> JSONResponse:
     err_type = "NotFoundError" if status == HTTPStatus.NOT_FOUND else "BadRequestError"
+    if status == HTTPStatus.TOO_MANY_REQUESTS:
+        err_type = "RateLimitError"  # what the openai client raises for 429
     if status >= 500:
         err_type = "ServiceUnavailableError"
     err = create_error_response(message, err_type=err_type, status_code=status)
@@ -39,9 +41,9 @@ def error_json(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> JSO
 
 GENERATION_ERROR_MESSAGE = GenerationError().args[0]
 ENGINE_REJECTED = (
-    "MEPIC rejected the request: its layout can never fit the KV cache pool or one step's "
-    "chunk compile budget (raise --max-num-batched-tokens or shorten the chunks); the server "
-    "log names the exact reason"
+    "MEPIC rejected the request: its layout cannot be placed in the KV cache pool (less the "
+    "blocks pinned chunks hold) or in one step's chunk compile budget; the server log names "
+    "the exact reason"
 )
 
 
@@ -136,11 +138,14 @@ def chat_response(resp: CompletionResponse, top_logprobs: int | None) -> ChatCom
                 logprobs=chat_logprobs(c.logprobs, top_logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                token_ids=c.token_ids,
             )
             for c in resp.choices
         ],
         usage=resp.usage,
         system_fingerprint=resp.system_fingerprint,
+        # with return_token_ids: the prompt the model saw (every choice shares it)
+        prompt_token_ids=resp.choices[0].prompt_token_ids if resp.choices else None,
     )
 
 

@@ -14,13 +14,12 @@ from fastapi.responses import JSONResponse, Response
 
 from ascend_mepic.core.markers import MarkerError
 from ascend_mepic.core.segments import LayoutError
-from ascend_mepic.entrypoints.server.protocol import ChunkCreate
+from ascend_mepic.entrypoints.server.protocol import ChunkCreate, MepicCompletionRequest
 from ascend_mepic.entrypoints.server.responses import error_json
 from ascend_mepic.entrypoints.server.service import MepicService
 from ascend_mepic.entrypoints.server.text_segments import MepicRequestError
 from ascend_mepic.vllm_integration.openai_api import (
     ChatCompletionRequest,
-    CompletionRequest,
     load_aware_call,
     validate_json_request,
     with_cancellation,
@@ -51,7 +50,9 @@ _CLIENT_ERRORS = (MepicRequestError, MarkerError, LayoutError)
 @router.post("/v1/completions", dependencies=[Depends(validate_json_request)])
 @with_cancellation
 @load_aware_call
-async def mepic_create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+async def mepic_create_completion(
+    request: MepicCompletionRequest, raw_request: Request
+) -> Response:
     try:
         mepic_request = await _service(raw_request).prepare_completion(request)
     except _CLIENT_ERRORS as e:

@@ -21,7 +21,8 @@ from starlette.datastructures import State
 from vllm.exceptions import GenerationError
 
 from ascend_mepic.config import MepicConfig
-from ascend_mepic.core.markers import MarkerError, Markers, split_marked_text
+from ascend_mepic.core.markers import Markers
+from ascend_mepic.core.policies import Placement
 from ascend_mepic.core.request_limits import RequestLimits
 from ascend_mepic.core.segments import (
     EXTRA_ARGS_KEY,
@@ -29,6 +30,16 @@ from ascend_mepic.core.segments import (
     UNPIN_KEY,
     Segment,
     SegmentKind,
+)
+from ascend_mepic.entrypoints.server.chunk_parts import (
+    Boundaries,
+    Piece,
+    completion_pieces,
+    is_piece_prompt,
+    is_structured_chat,
+    request_flags,
+    wrap_chunk_parts,
+    wrap_marked_messages,
 )
 from ascend_mepic.entrypoints.server.protocol import ChunkCreate
 from ascend_mepic.entrypoints.server.registry import (
@@ -48,12 +59,11 @@ from ascend_mepic.entrypoints.server.responses import (
 )
 from ascend_mepic.entrypoints.server.text_segments import (
     MepicRequestError,
-    chat_messages,
     check_fits,
-    check_refs,
     flat_segments,
     has_markup,
     marked_text_segments,
+    pieces_segments,
     raw_message_text,
     tokenizer_adds_bos,
 )
@@ -62,9 +72,10 @@ from ascend_mepic.vllm_integration.openai_api import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
-    load_chat_template,
+    render_chat_prompt,
     with_sse_keep_alive,
 )
+from ascend_mepic.vllm_integration.stat_logger import read_stats
 
 # Chat fields that mean the same in a completion request and travel with a marked chat request.
 _CHAT_TO_COMPLETION_FIELDS = (
@@ -85,6 +96,7 @@ _CHAT_TO_COMPLETION_FIELDS = (
     "repetition_penalty",
     "request_id",
     "response_format",
+    "return_token_ids",
     "seed",
     "session_id",
     "skip_special_tokens",
@@ -116,8 +128,6 @@ class MepicService:
         self.block_size: int = vllm_config.cache_config.block_size
         self.policy = config.parsed_policy
         self._vllm_config = vllm_config
-        self.chat_template = load_chat_template(args.chat_template)
-        self.trust_request_chat_template = bool(args.trust_request_chat_template)
         self.sse_keep_alive = float(getattr(args, "sse_keep_alive_interval", 0) or 0)
         self.registry = ChunkRegistry()
         # One thread: template rendering and tokenizing stay off the event loop, and the
@@ -170,16 +180,26 @@ class MepicService:
     async def prepare_completion(self, request: CompletionRequest) -> CompletionRequest | None:
         """The MEPIC form of a completion request; None when it is not a MEPIC request.
 
-        Text with markers becomes token ids plus flat ``mepic_segments``; a token-level request
-        that already carries ``mepic_segments`` is validated and passes through.
+        A prompt of pieces (``chunk_parts.completion_pieces``) or text with markers becomes token
+        ids plus flat ``mepic_segments``; a token-level request that already carries
+        ``mepic_segments`` is validated and passes through.
         """
         xargs = dict(request.vllm_xargs or {})
         prompt = request.prompt
+        if is_piece_prompt(prompt):
+            _reject_unsupported_completion(request)
+            if EXTRA_ARGS_KEY in xargs:
+                raise MepicRequestError(
+                    f"send either a prompt of pieces or vllm_xargs.{EXTRA_ARGS_KEY}"
+                )
+            pieces = completion_pieces(prompt)  # type: ignore[arg-type]
+            segs = await self.piece_segments(pieces, request.cache_salt, request.add_special_tokens)
+            return self._with_segments(request, segs, xargs)
         texts: list[str] | None = None
         if isinstance(prompt, str):
             texts = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            texts = list(prompt)
+            texts = list(prompt)  # type: ignore[arg-type]
         marked = texts is not None and any(has_markup(t, self.markers) for t in texts)
         if not marked and EXTRA_ARGS_KEY not in xargs:
             return None
@@ -193,10 +213,7 @@ class MepicService:
             if len(texts) != 1:
                 raise MepicRequestError("send one prompt per request when it has chunk markers")
             segs = await self.segments(texts[0], request.cache_salt, request.add_special_tokens)
-            tokens, flat = flat_segments(segs)
-            xargs[EXTRA_ARGS_KEY] = flat
-            check_fits(tokens, flat, self.limits)
-            return request.model_copy(update={"prompt": tokens, "vllm_xargs": xargs})
+            return self._with_segments(request, segs, xargs)
         ids: list[int] | None = None
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)  # type: ignore[arg-type]
@@ -209,6 +226,42 @@ class MepicService:
         check_fits(ids, xargs[EXTRA_ARGS_KEY], self.limits)
         return request
 
+    def _with_segments(
+        self, request: CompletionRequest, segs: list[Segment], xargs: dict[str, Any]
+    ) -> CompletionRequest:
+        """The request with its prompt as token ids and the segments in ``vllm_xargs``; a
+        single prompt segment (a policy that ignores segments) goes as a plain prompt."""
+        tokens, flat = flat_segments(segs)
+        if len(segs) > 1 or segs[0].kind is not SegmentKind.PROMPT:
+            xargs[EXTRA_ARGS_KEY] = flat
+            check_fits(tokens, flat, self.limits)
+        return request.model_copy(update={"prompt": tokens, "vllm_xargs": xargs or None})
+
+    @property
+    def keeps_boundaries(self) -> bool:
+        """False for policies that ignore segments (``full``, ``prefix``): the structured form
+        then sends stock vLLM's tokens, the text between references tokenized as one."""
+        return self.policy.placement is not Placement.NONE
+
+    def _piece_segments(
+        self, pieces: list[Piece], cache_salt: str | None, add_special_tokens: bool, keep: bool
+    ) -> list[Segment]:
+        tok = self.tokenizer
+        add_bos = add_special_tokens and bool(self._adds_bos)
+        return pieces_segments(tok, pieces, self.resolver(cache_salt), add_bos, keep)
+
+    async def piece_segments(
+        self,
+        pieces: list[Piece],
+        cache_salt: str | None,
+        add_special_tokens: bool,
+        keep_boundaries: bool | None = None,
+    ) -> list[Segment]:
+        keep = self.keeps_boundaries if keep_boundaries is None else keep_boundaries
+        return await self._in_thread(
+            self._piece_segments, pieces, cache_salt, add_special_tokens, keep
+        )
+
     async def run_completion(
         self,
         request: CompletionRequest,
@@ -217,11 +270,13 @@ class MepicService:
     ) -> Response:
         """Run a MEPIC completion through vLLM's serving layer; engine rejections become 400."""
         handler = self.state.openai_serving_completion
+        header = raw_request.headers.get("X-Request-Id") if raw_request is not None else None
+        base_id = header or request.request_id  # how vLLM names the engine request
         try:
             result = await handler.create_completion(request, raw_request)
         except GenerationError:
             # Finish reason "error": MEPIC finishes requests it can never place that way.
-            return error_json(ENGINE_REJECTED)
+            return error_json(*self.rejection(base_id))
         if isinstance(result, ErrorResponse):
             return JSONResponse(content=result.model_dump(), status_code=result.error.code)
         if isinstance(result, CompletionResponse):
@@ -239,7 +294,7 @@ class MepicService:
             or (is_finished_with_error_event(event_data(first)))
         ):
             await result.aclose()
-            return error_json(ENGINE_REJECTED)
+            return error_json(*self.rejection(base_id))
 
         async def replay() -> AsyncGenerator[str, None]:
             if first is not None:
@@ -253,71 +308,48 @@ class MepicService:
             media_type="text/event-stream",
         )
 
+    def rejection(self, base_id: str) -> tuple[str, HTTPStatus]:
+        """Why the engine refused the request vLLM named ``cmpl-{base_id}-...``: the reason the
+        scheduler published in the stats file (``MepicScheduler.recent_rejections``), else
+        the generic message (stats off, or the entry already rotated out)."""
+        stats = read_stats(self.config.stats_file) or {}
+        prefix = f"cmpl-{base_id}-"
+        for request_id, reason, status in reversed(stats.get("rejections") or []):
+            if str(request_id).startswith(prefix):
+                return f"MEPIC rejected the request: {reason}", HTTPStatus(int(status))
+        return ENGINE_REJECTED, HTTPStatus.BAD_REQUEST
+
     # ------------------------------------------------ chat
 
-    def _render_chat(self, request: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
-        template = self.chat_template
-        if request.chat_template is not None:
-            if not self.trust_request_chat_template:
-                raise MepicRequestError(
-                    "chat_template in the request is not allowed; start the server with "
-                    "--trust-request-chat-template"
-                )
-            template = request.chat_template
-        text = self.tokenizer.apply_chat_template(
-            messages,
-            chat_template=template,
-            tokenize=False,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            **(request.chat_template_kwargs or {}),
-        )
-        if not isinstance(text, str):
-            raise MepicRequestError("the chat template did not render to text")
-        return text
-
     async def prepare_chat(self, request: ChatCompletionRequest) -> CompletionRequest | None:
-        """A marked chat request as a MEPIC completion request; None without markers.
+        """A chat request with chunks as a MEPIC completion request; None without any.
 
-        The template is rendered to text first and the markers split after it, so the template's
-        own tokens (including any BOS it writes) stay in prompt segments.
+        Chunk parts, references and documents (the structured form, ``chunk_parts``) or the
+        older markers become sentinels in the messages; vLLM's renderer renders the chat (its
+        template, content format and documents), and the sentinels are split out of the text
+        and removed before each segment is tokenized alone, so the template's own tokens
+        (including any BOS it writes) stay in prompt segments.
         """
-        if not any(
-            isinstance(m, dict) and has_markup(raw_message_text(m.get("content")), self.markers)
-            for m in request.messages
-        ):
+        found = await chat_pieces(self.state.online_renderer, request, self.markers)
+        if found is None:
             return None
-        messages = chat_messages(request)
-        for i, message in enumerate(messages):
-            # Checked per message first, so errors name the message and an offset the client
-            # can find (the rendered template shifts offsets); chunks cannot span messages.
-            try:
-                split_marked_text(message["content"] or "", self.markers)
-                check_refs(message["content"] or "", self.markers)
-            except MarkerError as e:
-                raise MarkerError(f"messages[{i}].content: {e}") from None
-        _reject_unsupported_chat(request)
-        text = await self._in_thread(self._render_chat, request, messages)
-        segs = await self.segments(text, request.cache_salt, request.add_special_tokens)
-        tokens, flat = flat_segments(segs)
-        check_fits(tokens, flat, self.limits)
+        pieces, structured = found
+        xargs = dict(request.vllm_xargs or {})
+        # The older form keeps its boundaries under every policy, as it always did.
+        segs = await self.piece_segments(
+            pieces, request.cache_salt, request.add_special_tokens, None if structured else True
+        )
         fields = request.model_dump(exclude_unset=True)
         body = {k: fields[k] for k in _CHAT_TO_COMPLETION_FIELDS if k in fields}
-        xargs = dict(request.vllm_xargs or {})
-        if EXTRA_ARGS_KEY in xargs:
-            raise MepicRequestError(
-                f"send either chunk markers in the messages or vllm_xargs.{EXTRA_ARGS_KEY}"
-            )
-        xargs[EXTRA_ARGS_KEY] = flat
         body.update(
-            prompt=tokens,
             max_tokens=fields.get("max_completion_tokens", fields.get("max_tokens")),
-            vllm_xargs=xargs,
             # chat's logprobs + top_logprobs N are a completion's logprobs N (the sampled
             # token's and the N likeliest), shown in chat form by ``responses.chat_logprobs``
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         )
-        return CompletionRequest.model_validate(body)
+        body.pop("vllm_xargs", None)
+        completion = CompletionRequest.model_validate({**body, "prompt": [0]})
+        return self._with_segments(completion, segs, xargs)
 
     # ------------------------------------------------ explicit chunks
 
@@ -339,7 +371,7 @@ class MepicService:
         try:
             result = await self.state.openai_serving_completion.create_completion(request, None)
         except GenerationError:
-            raise MepicRequestError(ENGINE_REJECTED) from None
+            raise MepicRequestError(*self.rejection(request.request_id)) from None
         if isinstance(result, ErrorResponse):
             raise MepicRequestError(result.error.message, HTTPStatus(result.error.code))
 
@@ -396,6 +428,46 @@ class MepicService:
         }
 
 
+async def chat_pieces(
+    online_renderer: Any, request: ChatCompletionRequest, markers: Markers
+) -> tuple[list[Piece], bool] | None:
+    """A chat request's rendered prompt as pieces, and whether it is in the structured form;
+    None when it has no chunks (neither form).
+
+    Chunk parts, references and documents (the structured form, ``chunk_parts``) or the older
+    markers become sentinels in the messages; vLLM's renderer renders the chat (its template,
+    content format and documents); the sentinels are split out of the text and removed.
+    """
+    extra = request.model_extra or {}
+    structured = is_structured_chat(request.messages, extra)
+    if not structured and not any(
+        isinstance(m, dict) and has_markup(raw_message_text(m.get("content")), markers)
+        for m in request.messages
+    ):
+        return None
+    flags = request_flags(extra)
+    if EXTRA_ARGS_KEY in (request.vllm_xargs or {}):
+        raise MepicRequestError(
+            f"send either chunks in the messages or vllm_xargs.{EXTRA_ARGS_KEY}"
+        )
+    boundaries = Boundaries(request.model_dump_json())
+    if structured:
+        messages = wrap_chunk_parts(request.messages, boundaries)
+    else:
+        messages = wrap_marked_messages(request.messages, markers, boundaries)
+    documents = request.documents
+    if flags is not None and flags.chunk_documents:
+        if not documents:
+            raise MepicRequestError("mepic.chunk_documents needs documents in the request")
+        documents = boundaries.documents(documents)
+    _reject_unsupported_chat(request)
+    try:
+        text = await render_chat_prompt(online_renderer, request, messages, documents)
+    except ValueError as e:
+        raise MepicRequestError(f"the chat template failed: {e}") from None
+    return boundaries.split(text), structured
+
+
 def _reject_unsupported_completion(request: CompletionRequest) -> None:
     bad = {
         "use_beam_search": request.use_beam_search,
@@ -414,7 +486,6 @@ def _reject_unsupported_chat(request: ChatCompletionRequest) -> None:
         "truncate_prompt_tokens": request.truncate_prompt_tokens is not None,
         "echo": request.echo,
         "tools": bool(request.tools),
-        "documents": bool(getattr(request, "documents", None)),
     }
     _raise_unsupported(bad)
 
@@ -422,4 +493,4 @@ def _reject_unsupported_chat(request: ChatCompletionRequest) -> None:
 def _raise_unsupported(flags: dict[str, bool]) -> None:
     names = [name for name, on in flags.items() if on]
     if names:
-        raise MepicRequestError(f"{', '.join(names)} cannot be used with chunk markers")
+        raise MepicRequestError(f"{', '.join(names)} cannot be used with MEPIC chunks")

@@ -20,11 +20,10 @@ from ascend_mepic.core.segments import (
     Segment,
     SegmentKind,
 )
-from ascend_mepic.vllm_integration.openai_api import ChatCompletionRequest
 
 CHUNK_REF_OPEN = "<<<MEPIC_CHUNK_REF:"
 CHUNK_REF_CLOSE = ">>>"
-_CHUNK_REF = re.compile(re.escape(CHUNK_REF_OPEN) + r"([^<>]*)" + re.escape(CHUNK_REF_CLOSE))
+CHUNK_REF_PATTERN = re.compile(re.escape(CHUNK_REF_OPEN) + r"([^<>]*)" + re.escape(CHUNK_REF_CLOSE))
 
 
 class MepicRequestError(ValueError):
@@ -41,7 +40,7 @@ def has_markup(text: str, markers: Markers) -> bool:
 
 def check_refs(text: str, markers: Markers) -> None:
     """References belong in prompt text and must be closed; MarkerError names the offset."""
-    matched = {m.start() for m in _CHUNK_REF.finditer(text)}
+    matched = {m.start() for m in CHUNK_REF_PATTERN.finditer(text)}
     pos = text.find(CHUNK_REF_OPEN)
     while pos >= 0:
         if pos not in matched:
@@ -66,28 +65,48 @@ def marked_text_segments(
     """Segments of marked text, each tokenized alone (as ``markers.tokenize_segments`` does),
     with ``<<<MEPIC_CHUNK_REF:id>>>`` replaced by the registered chunk's tokens via ``resolve``.
     """
-    pieces = split_marked_text(text, markers)
     check_refs(text, markers)
-    items: list[tuple[SegmentKind, str | Sequence[int]]] = []
-    for piece in pieces:
+    pieces: list[tuple[str, str]] = []
+    for piece in split_marked_text(text, markers):
         if piece.kind is SegmentKind.CHUNK:
-            items.append((piece.kind, piece.text))
+            pieces.append(("chunk", piece.text))
             continue
-        parts = _CHUNK_REF.split(piece.text)  # text, id, text, id, ..., text
-        for i, part in enumerate(parts):
-            if i % 2:
-                items.append((SegmentKind.CHUNK, resolve(part)))
-            elif part:
-                items.append((SegmentKind.PROMPT, part))
+        for i, part in enumerate(CHUNK_REF_PATTERN.split(piece.text)):  # text, id, text, ...
+            if i % 2 or part:
+                pieces.append(("ref" if i % 2 else "prompt", part))
+    return pieces_segments(tokenizer, pieces, resolve, add_bos)
+
+
+def pieces_segments(
+    tokenizer: Any,
+    pieces: Sequence[tuple[str, str]],
+    resolve: Callable[[str], Sequence[int]],
+    add_bos: bool,
+    keep_boundaries: bool = True,
+) -> list[Segment]:
+    """Segments of (kind, text) pieces: ``prompt`` and ``chunk`` text tokenized each alone,
+    ``ref`` (text: a chunk id) the registered chunk's tokens via ``resolve``.
+
+    Without ``keep_boundaries`` (policies that ignore segments) the text between references is
+    tokenized as one, as vLLM tokenizes a prompt, so such a policy sees stock vLLM's tokens.
+    """
+    if not keep_boundaries:
+        merged: list[tuple[str, str]] = []
+        for kind, text in pieces:
+            if kind != "ref" and merged and merged[-1][0] == "prompt":
+                merged[-1] = ("prompt", merged[-1][1] + text)
+            else:
+                merged.append(("prompt" if kind != "ref" else "ref", text))
+        pieces = merged
     segments: list[Segment] = []
-    for kind, item in items:
-        if isinstance(item, str):
-            ids = tokenizer.encode(item, add_special_tokens=False)
-            if not ids and kind is SegmentKind.CHUNK:
-                raise MarkerError(f"chunk {item!r} tokenizes to nothing")
-        else:
-            ids = list(item)
-        segments.append(Segment(kind, tuple(ids)))
+    for kind, item in pieces:
+        if kind == "ref":
+            segments.append(Segment.chunk(tuple(resolve(item))))
+            continue
+        ids = tokenizer.encode(item, add_special_tokens=False)
+        if not ids and kind == "chunk":
+            raise MarkerError(f"chunk {item!r} tokenizes to nothing")
+        segments.append(Segment(SegmentKind(kind), tuple(ids)))
     return finish_segments(tokenizer, segments, add_bos)
 
 
@@ -124,37 +143,13 @@ def tokenizer_adds_bos(tokenizer: Any) -> bool:
     return bool(with_special) and with_special[0] == bos and plain[:1] != [bos]
 
 
-def _message_text(content: Any, index: int) -> str | None:
-    if content is None or isinstance(content, str):
-        return content
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise MepicRequestError(
-                f"messages[{index}]: only text content can be used with chunk markers, got {kind}"
-            )
-        texts.append(part.get("text", ""))
-    return "".join(texts)
-
-
-def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as plain role/content dicts (text parts joined) for ``apply_chat_template``."""
-    out = []
-    for i, message in enumerate(request.messages):
-        msg = dict(message)
-        if msg.get("tool_calls") or msg.get("role") == "tool":
-            raise MepicRequestError(f"messages[{i}]: tool messages are not supported with markers")
-        clean = {"role": msg.get("role"), "content": _message_text(msg.get("content"), i)}
-        if msg.get("name"):
-            clean["name"] = msg["name"]
-        out.append(clean)
-    return out
-
-
 def raw_message_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return "".join(
+            p if isinstance(p, str) else str(p.get("text") or "")
+            for p in content
+            if isinstance(p, str | dict)
+        )
     return ""
