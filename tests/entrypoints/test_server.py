@@ -354,18 +354,26 @@ def test_requests_that_cannot_fit_are_400(client):
 
 def test_chunk_api_round_trip(client):
     doc = DOCS[3] + " " + DOCS[0]
-    r = client.post("/v1/chunks", json={"text": doc})
+    # Registered for the requests' prefix, which anchored compiles compile the chunk after.
+    body = {"text": doc, "prefix": "Read this: "}
+    r = client.post("/v1/chunks", json=body)
     assert r.status_code == 200, r.text
     chunk = r.json()
     assert chunk["num_tokens"] > 32 and chunk["num_shared_blocks"] >= 1
-    assert client.post("/v1/chunks", json={"text": doc}).json()["id"] == chunk["id"]
+    assert chunk["num_prefix_tokens"] > 0
+    assert client.post("/v1/chunks", json=body).json()["id"] == chunk["id"]
+    other = client.post("/v1/chunks", json={"text": doc}).json()  # another prefix: another one
+    assert other["id"] != chunk["id"] and other["num_prefix_tokens"] == 0
+    assert client.delete(f"/v1/chunks/{other['id']}").json()["removed"] is True
+    pinned = fresh_stats(client)["metrics"]["chunk_hits"]
     listed = client.get("/v1/chunks").json()["data"]
     assert chunk["id"] in [c["id"] for c in listed]
     assert fresh_stats(client)["metrics"]["pinned_chunks"] >= 1
 
     ref = f"<<<MEPIC_CHUNK_REF:{chunk['id']}>>>"
-    r = complete(client, f"Context: {ref} What now?", request_id="ref-1")
+    r = complete(client, f"Read this: {ref} What now?", request_id="ref-1")
     assert r.status_code == 200, r.text
+    assert fresh_stats(client)["metrics"]["chunk_hits"] == pinned + 1  # the pinned chunk
     r = client.post(
         "/v1/chat/completions",
         json={"messages": [{"role": "user", "content": f"{ref} Summarize."}], "max_tokens": 2},

@@ -23,15 +23,22 @@ class MepicCompletionRequest(CompletionRequest):
 
 
 class ChunkCreate(BaseModel):
-    """``POST /v1/chunks``: a chunk as text (tokenized alone) or as token ids."""
+    """``POST /v1/chunks``: a chunk as text (tokenized alone) or as token ids; optionally the
+    prompt before the first chunk of the requests that will use it (``prefix`` text, tokenized
+    alone without special tokens, or ``prefix_token_ids``), which anchored compiles compile the
+    chunk after."""
 
     text: str | None = None
     token_ids: list[int] | None = Field(default=None, min_length=1)
     cache_salt: str | None = None
+    prefix: str | None = Field(default=None, min_length=1)
+    prefix_token_ids: list[int] | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _one_source(self) -> "ChunkCreate":
         if (self.text is None) == (self.token_ids is None):
             raise ValueError("give exactly one of 'text' and 'token_ids'")
+        if self.prefix is not None and self.prefix_token_ids is not None:
+            raise ValueError("give at most one of 'prefix' and 'prefix_token_ids'")
         validate_cache_salt(self.cache_salt)
         return self

@@ -353,16 +353,21 @@ class MepicService:
 
     # ------------------------------------------------ explicit chunks
 
-    async def _control(self, token_ids: Sequence[int], salt: str | None, key: str) -> None:
-        """Send a [chunk, one-token prompt] request with a pin/unpin flag and wait for it."""
-        tok = self.tokenizer
+    async def _control(self, chunk: RegisteredChunk, key: str) -> None:
+        """Send a [prefix, chunk, one-token prompt] request with a pin/unpin flag and wait for
+        it (the prefix, when registered, is what anchored compiles compile the chunk after)."""
+        tok, token_ids, prefix = self.tokenizer, chunk.token_ids, chunk.prefix
+        salt = chunk.cache_salt
         tail = next(
             (t for t in (tok.eos_token_id, tok.bos_token_id) if t is not None), token_ids[-1]
         )
         flat: list[str | int] = [SegmentKind.CHUNK.value, len(token_ids), "prompt", 1]
-        check_fits([*token_ids, tail], flat, self.limits)
+        if prefix:
+            flat = [SegmentKind.PROMPT.value, len(prefix), *flat]
+        prompt = [*prefix, *token_ids, tail]
+        check_fits(prompt, flat, self.limits)
         request = CompletionRequest(
-            prompt=[*token_ids, tail],
+            prompt=prompt,
             max_tokens=1,
             temperature=0.0,
             cache_salt=salt,
@@ -388,22 +393,30 @@ class MepicService:
             )
         if not ids:
             raise MepicRequestError("the chunk is empty (it tokenizes to nothing)")
+        prefix = list(body.prefix_token_ids or [])
+        if body.prefix is not None:
+            if has_markup(body.prefix, self.markers):
+                raise MepicRequestError("a prefix must not contain chunk markers or references")
+            text = body.prefix
+            prefix = await self._in_thread(
+                lambda: self.tokenizer.encode(text, add_special_tokens=False)
+            )
         vocab = getattr(self.engine_client.model_config, "get_vocab_size", lambda: None)()
-        if vocab is not None and any(not 0 <= t < vocab for t in ids):
-            raise MepicRequestError(f"chunk token ids must be in [0, {vocab})")
+        if vocab is not None and any(not 0 <= t < vocab for t in [*ids, *prefix]):
+            raise MepicRequestError(f"chunk and prefix token ids must be in [0, {vocab})")
         chunk = RegisteredChunk(
-            chunk_ref_id(ids, body.cache_salt), tuple(ids), body.cache_salt, time.time()
+            chunk_ref_id(ids, body.cache_salt, prefix),
+            tuple(ids),
+            body.cache_salt,
+            time.time(),
+            tuple(prefix),
         )
-        registered, _ = await self.registry.register(
-            chunk, lambda c: self._control(c.token_ids, c.cache_salt, PIN_KEY)
-        )
+        registered, _ = await self.registry.register(chunk, lambda c: self._control(c, PIN_KEY))
         return registered
 
     async def delete_chunk(self, chunk_id: str) -> int:
         """Drop a registration of the chunk; returns the holders left (0: unpinned, removed)."""
-        released = await self.registry.release(
-            chunk_id, lambda c: self._control(c.token_ids, c.cache_salt, UNPIN_KEY)
-        )
+        released = await self.registry.release(chunk_id, lambda c: self._control(c, UNPIN_KEY))
         if released is None:
             raise MepicRequestError(f"unknown chunk id {chunk_id!r}", HTTPStatus.NOT_FOUND)
         return released[1]
@@ -419,6 +432,7 @@ class MepicService:
             "object": "mepic.chunk",
             "created": int(chunk.created),
             "num_tokens": n,
+            "num_prefix_tokens": len(chunk.prefix),
             "num_private_tokens": private,
             "num_shared_tokens": shared,
             "num_shared_blocks": -(-shared // self.block_size),
