@@ -25,14 +25,15 @@ class MepicCompletionRequest(CompletionRequest):
 class ChunkCreate(BaseModel):
     """``POST /v1/chunks``: a chunk as text (tokenized alone) or as token ids; optionally the
     prompt before the first chunk of the requests that will use it (``prefix`` text, tokenized
-    alone without special tokens, or ``prefix_token_ids``), which anchored compiles compile the
-    chunk after."""
+    as a completion prompt's text is, BOS included unless ``add_special_tokens`` is false, or
+    ``prefix_token_ids``), which anchored compiles compile the chunk after."""
 
     text: str | None = None
     token_ids: list[int] | None = Field(default=None, min_length=1)
     cache_salt: str | None = None
     prefix: str | None = Field(default=None, min_length=1)
     prefix_token_ids: list[int] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
 
     @model_validator(mode="after")
     def _one_source(self) -> "ChunkCreate":

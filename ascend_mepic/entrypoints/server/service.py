@@ -397,10 +397,8 @@ class MepicService:
         if body.prefix is not None:
             if has_markup(body.prefix, self.markers):
                 raise MepicRequestError("a prefix must not contain chunk markers or references")
-            text = body.prefix
-            prefix = await self._in_thread(
-                lambda: self.tokenizer.encode(text, add_special_tokens=False)
-            )
+            segs = await self.segments(body.prefix, body.cache_salt, body.add_special_tokens)
+            prefix = [t for s in segs for t in s.token_ids]  # as a completion's text is
         vocab = getattr(self.engine_client.model_config, "get_vocab_size", lambda: None)()
         if vocab is not None and any(not 0 <= t < vocab for t in [*ids, *prefix]):
             raise MepicRequestError(f"chunk and prefix token ids must be in [0, {vocab})")
