@@ -85,7 +85,8 @@ def test_unknown_option_is_an_error(tiny_model):
 
 
 def test_schedule_shares_chunk_blocks_and_rejects_bad_requests(tiny_model):
-    sched, hasher = make_scheduler(tiny_model, {"mepic": {}}, num_blocks=24)
+    # a and b have other prefixes: unanchored compiles share the chunk across them.
+    sched, hasher = make_scheduler(tiny_model, {"mepic": {"chunk_anchor": "none"}}, num_blocks=24)
     assert isinstance(sched.kv_cache_manager, MepicKVCacheManager)
     doc = Segment.chunk(range(10, 110))  # 16 private tokens, 84 canonical (3 blocks at B=32)
     a = mepic_request("a", [Segment.prompt([1, 5, 6]), doc, Segment.prompt([7, 8])], hasher)
@@ -186,8 +187,12 @@ def _run_step(sched, out):
 def test_compiles_never_overflow_the_batch(tiny_model):
     """Compiles take what the step's requests leave: scheduled tokens and sequences, compiles
     included, stay within max_num_batched_tokens / max_num_seqs, and every request runs."""
-    sched, hasher = make_scheduler(
-        tiny_model, {"mepic": {}}, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=256
+    sched, hasher = make_scheduler(  # other prefixes, chunks shared: unanchored compiles
+        tiny_model,
+        {"mepic": {"chunk_anchor": "none"}},
+        num_blocks=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
     )
     docs = [Segment.chunk(range(100 * i + 10, 100 * i + 110)) for i in range(5)]
     for i in range(6):

@@ -184,6 +184,7 @@ def test_block_size_16_matches_reference(policy, model, requests):
             "model": model,
             "mepic": True,
             "policy": policy,
+            "options": {"chunk_anchor": "none"} if policy == "mepic" else {},  # as the reference
             "block_size": 16,
             "max_tokens": 4,
             "logprobs": 5,

@@ -207,9 +207,10 @@ def test_tensor_parallel_2_equals_1_with_mepic_on(model, requests, mepic_run, bl
 
 @pytest.fixture(scope="module")
 def anchored(model, requests, block_size):
-    """The default ``chunk_anchor: prefix``, at blocks 16 and 128: c and d share a prefix and place the chunks in
-    other orders with other questions; e has another prefix. c alone (cold), c and d together,
-    e, then c again (warm), with every ready chunk's KV digested after each batch."""
+    """The default ``chunk_anchor: prefix``, at blocks 16 and 128: c and d share a prefix and
+    place the chunks in other orders with other questions; e has another prefix. c alone
+    (cold), c and d together, e, then c again (warm), with every ready chunk's KV digested after
+    each batch."""
     a, _ = requests
     doc, other = a[1], a[2]
     prefix = Segment.prompt([1, 40, 41, 42, 43, 44, 45])

@@ -161,9 +161,12 @@ def test_runner_drives_the_real_engine_at_block_16():
         "progress": False,
         "record_steps": True,  # `bench profile`'s recording schedulers (MEPIC's and stock's)
     }
-    policies = ("full", "mepic", "prefix")
+    # MEPIC unanchored: with 3 requests the sharing is too small to pay for anchored compiles'
+    # recompute of the prompt (results.md), and this test is about the runner.
+    policies = ("full", "mepic,chunk_anchor=none", "prefix")
     raws = {p: run_engine({"mepic": p != "prefix", "bench": {**job, "policy": p}})
             for p in policies}  # fmt: skip
+    raws["mepic"] = raws.pop("mepic,chunk_anchor=none")
     assert raws["mepic"]["block_size"] == 16 and raws["prefix"]["block_size"] == 32
     for raw in raws.values():
         assert all(r["finish_s"] is not None for r in raw["per_request"])

@@ -42,3 +42,18 @@ def check_variant(spec: str) -> None:
             raise ValueError(f"variant {spec!r}: stock vLLM (prefix) takes no MEPIC option")
         return
     MepicConfig.from_options({"policy": name, **options})
+
+
+def paper_variant(spec: str) -> str:
+    """The paper's MEPIC for a shared-placement policy: chunks compiled alone from position 0
+    (``chunk_anchor: none``) unless the variant sets the anchor. The simulator and its validation
+    run it: the paper's workloads put request-specific text before the chunks, which anchored
+    compiles (the product's default) would key every chunk by, sharing nothing."""
+    from ascend_mepic.core.policies import Placement, parse_policy
+
+    name, options = split_variant(spec)
+    if name == "prefix" or "chunk_anchor" in options:
+        return spec
+    if parse_policy(name).placement is not Placement.SHARED:
+        return spec
+    return f"{spec},chunk_anchor=none"

@@ -63,6 +63,7 @@ def engine_args(
     """The engine arguments a real run of ``policy`` uses, with the simulated worker."""
     from vllm import EngineArgs
 
+    from ascend_mepic.eval.bench.variants import paper_variant, split_variant
     from ascend_mepic.eval.sim.recording import PEAK_SCHEDULER_CLS, PEAK_STOCK_SCHEDULER_CLS
     from ascend_mepic.offline import mepic_llm_kwargs
 
@@ -73,7 +74,8 @@ def engine_args(
         kwargs: dict[str, Any] = {"enable_prefix_caching": True, "async_scheduling": False}
         kwargs["additional_config"] = {}
     else:
-        kwargs = mepic_llm_kwargs(policy=policy)
+        name, options = split_variant(paper_variant(policy))
+        kwargs = mepic_llm_kwargs(policy=name, **options)
     kwargs.pop("enforce_eager", None)
     kwargs["additional_config"] = {**kwargs["additional_config"], "mepic_sim": sim}
     kwargs["worker_cls"] = SIM_WORKER_CLS

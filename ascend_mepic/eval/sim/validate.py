@@ -37,11 +37,12 @@ TOLERANCES = {  # summary() key -> largest relative error the validation accepts
 def real_job(model: str, policy: str, qps: float, args: Any) -> dict[str, Any]:
     """The benchmark's job, every step recorded (work, wall time, blocks after schedule())."""
     from ascend_mepic.eval.bench.runner import bench_job
+    from ascend_mepic.eval.bench.variants import paper_variant
 
     return bench_job(
         args,
         model,
-        policy,
+        paper_variant(policy),  # as the simulator runs it
         qps,
         args.chunks,
         progress=False,
@@ -100,8 +101,10 @@ def replay(
         SimRequest(list(segs), r["arrival_s"], r["output_tokens"])
         for (_, segs), r in zip(requests, raw["per_request"], strict=True)
     ]
+    from ascend_mepic.eval.bench.variants import split_variant
+
     return simulate(
-        raw["policy"],
+        split_variant(raw["policy"])[0],  # the policy; the simulator compiles as the paper
         sim_reqs,
         profile,
         model,
