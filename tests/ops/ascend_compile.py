@@ -74,8 +74,11 @@ def launch_key(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def compile_stages(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, str]:
-    """Run ``STAGES`` on one launch; returns each stage's IR text. Raises the compiler's error
+def compile_stages(
+    kernel: Any, args: tuple, kwargs: dict[str, Any]
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """Run ``STAGES`` on one launch; returns each stage's IR text and the compile metadata (the
+    options the backend's later stage reads its flags from). Raises the compiler's error
     (``CompilationError``, or ``CalledProcessError`` with triton-adapter-opt's stderr)."""
     from triton._C.libtriton import ir
     from triton.compiler.compiler import ASTSource
@@ -94,7 +97,7 @@ def compile_stages(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str
     for stage in STAGES:
         module = stages[stage](module, metadata)
         out[stage] = str(module)
-    return out
+    return out, metadata
 
 
 def error_text(exc: BaseException) -> str:
