@@ -66,10 +66,7 @@ class Config:
     cos_sin_fp32: bool = False
 
     def tiles(self) -> tuple[int, int]:
-        cs = torch.float32 if self.cos_sin_fp32 else self.dtype
-        dot_fp32 = self.dtype == torch.float32
-        return asc.choose_tiles(self.head, self.group, BLOCK, self.dtype, self.dtype, cs,
-                                self.decode, dot_fp32)  # fmt: skip
+        return asc.choose_tiles(self.head, self.group, BLOCK, self.decode, self.neox)
 
     def __str__(self) -> str:
         kind = "decode" if self.decode else "prefill"
@@ -82,7 +79,7 @@ def _features(c: Config) -> list[tuple]:
     """What a covering set must contain at least once."""
     k = c.decode
     return [
-        ("tiles", k, c.head, c.tiles()),  # every choose_tiles result per head
+        ("tiles", k, c.head, c.neox, c.tiles()),  # every choose_tiles result per head
         ("gqa", k, c.group, c.dtype),
         ("form", k, c.head, c.neox),
         ("form-dtype", k, c.dtype, c.neox),
@@ -143,7 +140,11 @@ def planned(c: Config) -> list[asc.Launch]:
     return plan.launches
 
 
+# The one shape over the UB budget (decode, GPT-J, head 256, float32: the compiler's plan at the
+# smallest tiles is over 85%), listed so its figure is in the table.
+OVER_BUDGET = Config(256, torch.float32, 2, True, neox=False)
 CONFIGS = covering_configs()
+CONFIGS += [OVER_BUDGET] if OVER_BUDGET not in CONFIGS else []
 _compiled: dict[str, str | None] = {}  # launch key -> None (compiled) or the compiler's error
 # launch key -> (where it was planned, kernel name), and its HIVM compiles per target.
 _labels: dict[str, tuple[str, str]] = {}
@@ -177,9 +178,10 @@ def test_the_covering_set_spans_the_configuration_list():
     assert {(c.decode, c.neox, c.cos_sin_fp32) for c in CONFIGS} == set(
         itertools.product((False, True), repeat=3)
     )
-    for decode, head, dtype, group in itertools.product((False, True), HEADS, DTYPES, GROUPS):
-        tiles = Config(head, dtype, group, decode).tiles()
-        assert any(c.decode == decode and c.head == head
+    for decode, head, group, neox in itertools.product((False, True), HEADS, GROUPS,
+                                                       (True, False)):  # fmt: skip
+        tiles = Config(head, torch.float16, group, decode, neox).tiles()
+        assert any(c.decode == decode and c.head == head and c.neox == neox
                    and c.tiles() == tiles for c in CONFIGS)  # fmt: skip
 
 
@@ -262,7 +264,8 @@ def test_every_launch_reaches_the_final_hivm():
 
 
 def _estimate(label: str, kernel: str) -> int | None:
-    """The planner's UB model for an attention launch of a compile-test configuration."""
+    """The planner's UB model (``ub_bytes``) for an attention launch of a compile-test
+    configuration."""
     config = next((c for c in CONFIGS if str(c) == label), None)
     if config is None or kernel not in ("_prefill_kernel", "_decode_kernel"):
         return None
@@ -270,9 +273,27 @@ def _estimate(label: str, kernel: str) -> int | None:
     group_p = asc.pow2_at_least(config.group, 1)  # plan_launches' rows: >= 16 for tl.dot
     rows = (asc.pow2_at_least(config.group, 16) if config.decode
             else max(block_q, 16 // group_p) * group_p)  # fmt: skip
-    e = torch.empty((), dtype=config.dtype).element_size()
-    cs = 4 if config.cos_sin_fp32 else e
-    return asc.ub_bytes(rows, block_n, config.head, e, e, cs, config.dtype == torch.float32)
+    return asc.ub_bytes(rows, block_n, config.head, decode=config.decode, neox=config.neox)
+
+
+def test_every_launch_is_under_the_ub_budget():
+    """The compiler's own plan keeps every launch under ``UB_FRACTION`` (85%) of the unified
+    buffer, but decode with GPT-J rotation at head 256 in float32 (``OVER_BUDGET``), whose
+    smallest tiles are over; and the planner's model (``ub_bytes``) bounds each plan from above."""
+    over, ratios = [], []
+    for key, per in hivm_reports().items():
+        label, kernel = _labels[key]
+        for arch, r in per.items():
+            assert isinstance(r, hivm.HivmReport)
+            if r.fraction("ub") > asc.UB_FRACTION:
+                over.append((label, kernel, arch, round(r.fraction("ub"), 3)))
+            est = _estimate(label, kernel)
+            if est is not None and label != str(OVER_BUDGET):
+                ratios.append((est / r.used["ub"], label, kernel))
+    assert {(label, kernel) for label, kernel, _, _ in over} <= {
+        (str(OVER_BUDGET), "_decode_kernel")
+    }, over
+    assert min(ratios)[0] >= 1.0, min(ratios)
 
 
 def test_hivm_table():
