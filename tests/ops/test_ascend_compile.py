@@ -140,9 +140,14 @@ def planned(c: Config) -> list[asc.Launch]:
     return plan.launches
 
 
-# The one shape over the UB budget (decode, GPT-J, head 256, float32: the compiler's plan at the
-# smallest tiles is over 85%), listed so its figure is in the table.
+# The one shape over the UB budget: decode with GPT-J rotation at head 256, whose smallest tiles
+# the compiler plans at 99.8% (float32; float16 with float32 cos/sin); listed so that its
+# float32 figure is in the table.
 OVER_BUDGET = Config(256, torch.float32, 2, True, neox=False)
+
+
+def over_budget_shape(label: str) -> bool:
+    return label.startswith("decode-h256-") and "-gptj-" in label
 CONFIGS = covering_configs()
 CONFIGS += [OVER_BUDGET] if OVER_BUDGET not in CONFIGS else []
 _compiled: dict[str, str | None] = {}  # launch key -> None (compiled) or the compiler's error
@@ -278,8 +283,8 @@ def _estimate(label: str, kernel: str) -> int | None:
 
 def test_every_launch_is_under_the_ub_budget():
     """The compiler's own plan keeps every launch under ``UB_FRACTION`` (85%) of the unified
-    buffer, but decode with GPT-J rotation at head 256 in float32 (``OVER_BUDGET``), whose
-    smallest tiles are over; and the planner's model (``ub_bytes``) bounds each plan from above."""
+    buffer, but decode with GPT-J rotation at head 256 (``over_budget_shape``), whose smallest
+    tiles are over; and the planner's model (``ub_bytes``) bounds each plan from above."""
     over, ratios = [], []
     for key, per in hivm_reports().items():
         label, kernel = _labels[key]
@@ -288,11 +293,10 @@ def test_every_launch_is_under_the_ub_budget():
             if r.fraction("ub") > asc.UB_FRACTION:
                 over.append((label, kernel, arch, round(r.fraction("ub"), 3)))
             est = _estimate(label, kernel)
-            if est is not None and label != str(OVER_BUDGET):
+            if est is not None and not over_budget_shape(label):
                 ratios.append((est / r.used["ub"], label, kernel))
-    assert {(label, kernel) for label, kernel, _, _ in over} <= {
-        (str(OVER_BUDGET), "_decode_kernel")
-    }, over
+    assert all(over_budget_shape(label) for label, *_ in over), over
+    assert str(OVER_BUDGET) in {label for label, *_ in over}
     assert min(ratios)[0] >= 1.0, min(ratios)
 
 
