@@ -148,6 +148,8 @@ OVER_BUDGET = Config(256, torch.float32, 2, True, neox=False)
 
 def over_budget_shape(label: str) -> bool:
     return label.startswith("decode-h256-") and "-gptj-" in label
+
+
 CONFIGS = covering_configs()
 CONFIGS += [OVER_BUDGET] if OVER_BUDGET not in CONFIGS else []
 _compiled: dict[str, str | None] = {}  # launch key -> None (compiled) or the compiler's error
