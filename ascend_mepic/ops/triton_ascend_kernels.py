@@ -466,7 +466,9 @@ def _decode_kernel(
         hi = tl.minimum(lo + per_split, nb)
         m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_P], tl.float32)
-        acc = tl.zeros([GROUP_P, D_P], tl.float32) + (q_idx_f * 0.0)[:, None]  # see prefill
+        # A constant zero here (not prefill's loaded one): with it the compiler plans GPT-J decode
+        # at head 256 at 78% of UB, with the loaded one at 99.8%.
+        acc = tl.zeros([GROUP_P, D_P], tl.float32)
         for j in range(lo, hi):
             m_i, l_i, acc = _attend_entry(
                 q1, q2, q_idx_f, m_i, l_i, acc, j, False, seq.to(tl.int64) * stride_bt,
