@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.ascend-mepic-setup
 DEMO_DIR ?= results/demo
 
-.PHONY: setup lock test test-ascend test-npu test-gpu test-gpu-kernels test-cuda-compile lint demo bench clean
+.PHONY: setup lock test test-ascend test-ascend-compile test-npu test-gpu test-gpu-kernels test-cuda-compile lint demo bench clean
 
 setup: $(STAMP)
 
@@ -95,6 +95,16 @@ test: setup lint
 # share .venv.
 test-ascend:
 	scripts/test_ascend.sh
+
+# The triton-ascend kernel's launches through triton-ascend's ttir and ttadapter stages, then
+# BiSheng IR's bishengir-compile (ascendnpu-ir, in the Ascend lock) to the final HIVM for
+# Ascend910B2 and B3, printing each launch's planned unified buffer and L1 against the chip's
+# (tests/ops/test_ascend_compile.py; `make test` runs it too, quietly). No NPU, no CANN: the run
+# stops where CANN's hivmc would make the binary.
+test-ascend-compile:
+	scripts/test_ascend.sh --prepare
+	env -u TRITON_INTERPRET TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv-ascend/bin/python -m pytest -q -s \
+		-p no:cacheprovider tests/ops/test_ascend_compile.py
 
 # On a 910B (UNTESTED ON HARDWARE): `ascend-mepic doctor`, then tests/npu (kernel numerics against
 # the oracle, a tiny model through MEPIC against stock vllm-ascend), in the Python of the Ascend

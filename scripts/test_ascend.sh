@@ -8,7 +8,8 @@
 # ascend_mepic/ops/triton_ascend.py) under triton-ascend's CPU interpreter
 # (sped up by tests/ops/interpreter_speed.py, results bit-identical)
 # (tests/ops/test_triton_ascend.py, test_ascend_kernel.py) and the triton-ascend kernel through
-# triton-ascend's ttir and ttadapter compiler stages (tests/ops/test_ascend_compile.py).
+# triton-ascend's ttir and ttadapter compiler stages, then BiSheng IR's bishengir-compile to the
+# final HIVM with its UB/L1 plan (tests/ops/test_ascend_compile.py).
 # The environment is installed from requirements/ascend.lock (exact versions and hashes, resolved
 # by uv from vllm-ascend 0.30.0rc2's own requirements; requirements/README.md lists where they
 # differ and why), made on first use or when the lock or this recipe changes, and reused after.
@@ -175,7 +176,8 @@ start=$(date +%s)
 # tests write it, where a PYTHONDONTWRITEBYTECODE of the caller's would have every process
 # compile vLLM, torch and transformers from source again.
 unset PYTHONDONTWRITEBYTECODE
-# The triton-ascend kernel through triton-ascend's own compiler stages (ttir, ttadapter), which
+# The triton-ascend kernel through triton-ascend's own compiler stages (ttir, ttadapter) and
+# bishengir-compile (the HIVM stage, two compiles at a time: ASCEND_HIVM_JOBS), which
 # need the kernels compiled, not interpreted: its own process, without TRITON_INTERPRET, beside
 # the interpreted tests (ASCEND_COMPILE_TEST=0 leaves it out).
 compile_log="$VENV/compile-test.log"

@@ -44,8 +44,9 @@ AttentionFn = Callable[
     [torch.Tensor, torch.Tensor, PagedRopeMetadata, RopeSpec, float], torch.Tensor
 ]
 WriteKvFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-# (head size, query dtype) -> bool; either may be None (not known at the call: any).
-ShapeRule = Callable[[int | None, torch.dtype | None], bool]
+# (head size, query dtype, GQA ratio: query heads per KV head) -> bool; any may be None (not
+# known at the call: any).
+ShapeRule = Callable[[int | None, torch.dtype | None, int | None], bool]
 ANY_DEVICE = "*"
 
 
@@ -141,18 +142,22 @@ def have_triton_ascend() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _fia_head(head_size: int | None, dtype: torch.dtype | None) -> bool:
-    """A head size FIA's TND paged mode takes on A2 for any GQA ratio, or an unknown one."""
-    from ascend_mepic.ops.npu import FIA_TND_HEAD_DIMS
+def _fia_head(head_size: int | None, dtype: torch.dtype | None, group: int | None = None) -> bool:
+    """A head size FIA's TND paged mode takes on A2 at this GQA ratio, or an unknown one: 64 and
+    128 at any ratio; with GQA/MQA (ratio > 1, at most ``FIA_MAX_GQA_RATIO``) any multiple of 16
+    up to 256 (``ops.npu.fia_takes``)."""
+    from ascend_mepic.ops.npu import fia_takes
 
-    return head_size is None or head_size in FIA_TND_HEAD_DIMS
+    return head_size is None or fia_takes(head_size, group)
 
 
-def _fia_head_and_dtype(head_size: int | None, dtype: torch.dtype | None) -> bool:
-    """A known FIA head size in a dtype FIA takes (float16, bfloat16)."""
+def _fia_head_and_dtype(
+    head_size: int | None, dtype: torch.dtype | None, group: int | None = None
+) -> bool:
+    """A known shape FIA takes (``_fia_head``) in a dtype it takes (float16, bfloat16)."""
     from ascend_mepic.ops.npu import FIA_DTYPES
 
-    return head_size is not None and _fia_head(head_size, dtype) and dtype in FIA_DTYPES
+    return head_size is not None and _fia_head(head_size, dtype, group) and dtype in FIA_DTYPES
 
 
 # Order: how ``IMPLS`` lists them (error messages, the doctor's report). The lambdas look names
@@ -191,13 +196,15 @@ IMPLS = tuple(impl.name for impl in IMPL_TABLE)
 _BY_NAME = {impl.name: impl for impl in IMPL_TABLE}
 
 
-def _choose(device_type: str, head_size: int | None, dtype: torch.dtype | None) -> str | None:
-    """The default implementation for a device type, head size and dtype (None: none takes it).
-    Availability is asked only of the candidates reached, in rank order."""
+def _choose(
+    device_type: str, head_size: int | None, dtype: torch.dtype | None, group: int | None = None
+) -> str | None:
+    """The default implementation for a device type, head size, dtype and GQA ratio (None: none
+    takes it). Availability is asked only of the candidates reached, in rank order."""
     candidates = [impl for impl in IMPL_TABLE if impl.serves(device_type)]
-    candidates.sort(key=lambda impl: (not impl.prefer(head_size, dtype), -impl.priority))
+    candidates.sort(key=lambda impl: (not impl.prefer(head_size, dtype, group), -impl.priority))
     for impl in candidates:
-        if impl.takes(head_size, dtype) and impl.available():
+        if impl.takes(head_size, dtype, group) and impl.available():
             return impl.name
     return None
 
@@ -206,22 +213,26 @@ class NoNpuAttentionError(RuntimeError):
     """No NPU attention implementation can serve this model's attention shape here."""
 
 
-def npu_default(head_size: int | None = None, dtype: torch.dtype | None = None) -> str:
-    """The NPU implementation most likely to work on a first 910B, for a head size and dtype.
+def npu_default(
+    head_size: int | None = None, dtype: torch.dtype | None = None, group: int | None = None
+) -> str:
+    """The NPU implementation most likely to work on a first 910B, for a head size, dtype and
+    GQA ratio (``group``: query heads per KV head).
 
     The torch_npu composition calls CANN's own ops (FIA, rotary), which ship tested with the
     toolkit; the triton-ascend kernel has never been compiled. So the composition runs where
-    FIA's TND paged mode takes the shape for any GQA ratio: head size 64 or 128
-    (aclnnFusedInferAttentionScoreV4, CANN 9.x, Atlas A2 TND table; vllm-ascend 0.30.0rc2 makes
-    this FIA call for every head size but 512), float16/bfloat16. The triton-ascend kernel runs
-    the rest: float32, and head sizes FIA takes for GQA/MQA only (80, 96, 256: documented, not
-    chosen here, which sees no head counts) or not at all. Without triton-ascend, a float32
+    FIA's TND paged mode takes the shape (aclnnFusedInferAttentionScoreV4, CANN 9.x, Atlas A2 TND
+    table; vllm-ascend 0.30.0rc2 makes this FIA call for every head size but 512), in
+    float16/bfloat16: head size 64 or 128 at any GQA ratio, and for GQA/MQA (ratio 2 to 64) any
+    multiple of 16 up to 256 (80, 96, 256, ...). The triton-ascend kernel runs the rest: float32,
+    MHA at other head sizes, and head sizes FIA does not take; an unknown ratio counts as MHA
+    (the composition only at 64/128). Without triton-ascend, a float32
     model at head 64/128 falls back to the composition, which attends in bfloat16; other shapes
     have no NPU path and raise ``NoNpuAttentionError``. Unknown shape (``None``): the kernel if
     triton-ascend is installed, else the composition. (The ``npu`` and ``triton-ascend`` entries
     of ``IMPL_TABLE``.)
     """
-    chosen = _choose("npu", head_size, dtype)
+    chosen = _choose("npu", head_size, dtype, group)
     if chosen is not None:
         return chosen
     from ascend_mepic.ops.npu import FIA_TND_HEAD_DIMS
@@ -235,18 +246,21 @@ def npu_default(head_size: int | None = None, dtype: torch.dtype | None = None) 
 
 
 def select_impl(
-    device: torch.device, head_size: int | None = None, dtype: torch.dtype | None = None
+    device: torch.device,
+    head_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    group: int | None = None,
 ) -> str:
-    """The implementation for ``device`` (and, on an NPU, the head size and dtype), unless
-    ``ASCEND_MEPIC_ATTN_IMPL`` forces one."""
+    """The implementation for ``device`` (and, on an NPU, the head size, dtype and GQA ratio
+    ``group``), unless ``ASCEND_MEPIC_ATTN_IMPL`` forces one."""
     forced = os.environ.get(IMPL_ENV)
     if forced:
         if forced not in IMPLS:
             raise ValueError(f"{IMPL_ENV}={forced!r}; choose one of {IMPLS}")
         return forced
     if device.type == "npu":
-        return npu_default(head_size, dtype)
-    chosen = _choose(device.type, head_size, dtype)
+        return npu_default(head_size, dtype, group)
+    chosen = _choose(device.type, head_size, dtype, group)
     assert chosen is not None, f"the reference serves {device.type}"
     return chosen
 
@@ -310,10 +324,11 @@ def rope_paged_attention(
             f"head size {query.shape[2]} differs from the rotary dim {rope.head_size}"
         )
     # Chosen once per step (the metadata is shared by every layer), keyed by what decides it.
-    key = ("impl", query.device.type, query.dtype, kv_cache.dtype, os.environ.get(IMPL_ENV))
+    key = ("impl", query.device.type, query.dtype, kv_cache.dtype, hq // hkv, query.shape[2],
+           os.environ.get(IMPL_ENV))  # fmt: skip
     chosen = meta.memo.get(key)
     if chosen is None:
-        impl = _BY_NAME[select_impl(query.device, query.shape[2], query.dtype)]
+        impl = _BY_NAME[select_impl(query.device, query.shape[2], query.dtype, hq // hkv)]
         if impl.call_dtypes is not None and not os.environ.get(IMPL_ENV):
             if not impl.call_dtypes(query.dtype, kv_cache.dtype):
                 impl = _BY_NAME["reference"]  # e.g. float16 on CPU: the kernel takes fp32, bf16

@@ -138,6 +138,18 @@ def get_npu_ops() -> NpuOps:
     return _torch_npu()  # type: ignore[return-value]
 
 
+def fia_takes(head_size: int, group: int | None) -> bool:
+    """FIA's TND paged mode on A2 takes this head size at this GQA ratio (None: unknown, taken
+    as MHA): 64 or 128 at any ratio up to ``FIA_MAX_GQA_RATIO``; with GQA/MQA also any multiple
+    of 16 up to ``FIA_TND_GQA_MAX_HEAD_DIM``."""
+    if group is not None and not 1 <= group <= FIA_MAX_GQA_RATIO:
+        return False
+    if head_size in FIA_TND_HEAD_DIMS:
+        return True
+    gqa = group is not None and group > 1
+    return gqa and head_size <= FIA_TND_GQA_MAX_HEAD_DIM and head_size % 16 == 0
+
+
 def check_npu_supported(num_heads: int, num_kv_heads: int, head_size: int) -> None:
     """Reject shapes outside the documented limits before launching anything on the device."""
     problems = []
@@ -148,10 +160,8 @@ def check_npu_supported(num_heads: int, num_kv_heads: int, head_size: int) -> No
         )
     if num_heads > FIA_MAX_HEADS:
         problems.append(f"query heads {num_heads} > {FIA_MAX_HEADS}")
-    gqa = num_heads != num_kv_heads
-    if head_size not in FIA_TND_HEAD_DIMS and not (
-        gqa and head_size <= FIA_TND_GQA_MAX_HEAD_DIM and head_size % 16 == 0
-    ):
+    group = num_heads // num_kv_heads if num_heads % num_kv_heads == 0 else 1
+    if not fia_takes(head_size, min(group, FIA_MAX_GQA_RATIO)):
         problems.append(
             f"head size {head_size}: FIA's TND paged mode takes {FIA_TND_HEAD_DIMS} on A2 "
             f"(GQA/MQA also multiples of 16 up to {FIA_TND_GQA_MAX_HEAD_DIM}; use the "

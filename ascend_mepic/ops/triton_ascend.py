@@ -2,66 +2,32 @@
 for the shapes torch_npu's fused attention does not take.
 
 UNTESTED ON HARDWARE: this kernel has never run on an Ascend NPU (no NPU and no CANN toolkit on
-the machines it was built on). What is checked: every launch the worker can make goes through
-triton-ascend 3.2's own compiler stages ``ttir`` and ``ttadapter`` (``triton-adapter-opt``) for a
-910B3 target (``tests/ops/test_ascend_compile.py``); the last stage, CANN's ``bishengir-compile``
-to an NPU binary, is not run (``tests/ops/ascend_compile.CANN_ONLY_CHECKS`` lists what it could
-still reject). Numerics are checked under triton-ascend's CPU interpreter
-(``tests/ops/test_ascend_kernel.py``) against the dense float64 oracle. The kernel needs
-triton-ascend: its tiles are block pointers, which upstream Triton removed (there the module
-imports, for the launch planning and the UB estimate, but ``rope_paged_attention_ascend`` refuses
-to run).
+the machines it was built on). What is checked (``tests/ops/test_ascend_compile.py``): every
+launch the worker can make goes through triton-ascend 3.2's own compiler stages ``ttir`` and
+``ttadapter`` (``triton-adapter-opt``), then BiSheng IR's ``bishengir-compile`` (package
+``ascendnpu-ir``) to the final HIVM IR for 910B2 and 910B3, with the unified buffer and L1
+planned and checked; only ``hivmc`` (HIVM to an NPU binary, CANN's) is not run
+(``tests/ops/ascend_compile.CANN_ONLY_CHECKS`` lists what remains). Numerics are checked under
+triton-ascend's CPU interpreter (``tests/ops/test_ascend_kernel.py``) against the dense float64
+oracle. The kernel needs triton-ascend: its tiles are block pointers, which upstream Triton
+removed (there the module imports, for the launch planning and the UB model, but
+``rope_paged_attention_ascend`` refuses to run).
 
 Same contract as the CUDA kernel ``cuda_fallback.rope_paged_attention``
 (``ascend_mepic.ops.metadata``): K and V un-rotated in ``[2, num_blocks, B, Hkv, D]``
 (vllm-ascend's ``(2, num_blocks, 128, kv_heads, head)``), scattered un-rotated queries, per-entry
 valid ranges and positions. The arithmetic both kernels share (rotation, scores, online softmax,
 the split-KV combine kernel) and their common input checks are written once, in
-``ascend_mepic.ops.triton_common``. What differs from the GPU kernel, and why (triton-ascend's
-migration and performance guides, and the forms vllm-ascend 0.30.0rc2's own Triton kernels use,
-``vllm_ascend/ops/triton/``):
+``ascend_mepic.ops.triton_common``. The kernels and how they differ from the GPU kernel are in
+``ascend_mepic.ops.triton_ascend_kernels``; this module plans their launches (tiles, grid, work
+items, scratch) and runs them.
 
-* **Persistent grid.** Programs are bound to AI cores and a grid larger than the core count runs
-  in batches, so the grid is the core count (``num_cores``) and each program loops over work items
-  ``w = pid, pid + cores, ...``. The number of work items is read from a device tensor.
-* **Every tile is a 2-D, unit-inner-stride tile at a scalar base** (``_load_tile``: a 2-D block
-  pointer, vllm-ascend's idiom). No 3-D box, no stride-2 load, no gather in the hot loop:
-  - K and V: a block-table entry's block id, first position and valid range are scalars; its
-    sub-tiles start at the first valid slot (``[row0, row0 + BLOCK_N)`` cut at ``valid_end``), so
-    one upper bound masks them and the cos/sin rows of their positions are consecutive rows of
-    the table, loaded as a tile too.
-  - Rotation pairs: NeoX halves are two column-offset tiles; GPT-J pairs are whole rows split
-    with ``tl.split`` (as vllm-ascend's RoPE kernel does).
-  - Decode: one query per sequence; its position and index are scalar loads, its cos/sin one
-    contiguous row broadcast over the ``GROUP`` heads (rows ``stride_qh`` apart). The review
-    found that a gather of per-query cos/sin rows with one query per tile aborts
-    ``triton-adapter-opt`` (``BlockPtrAnalysis``: ``addptrRes.hasOneUse()``).
-  - Prefill: a small kernel (``_rope_q_kernel``, the decode's query prologue per (query, KV head))
-    first writes the rotated, pre-scaled queries in ``[Hkv, T * GROUP, D]`` order, so a tile of
-    (query, head) rows of one KV head is one 2-D tile; the output is written in the same order
-    and put back in ``[T, Hq, D]`` by one copy.
-* **K rotated once per page and KV head.** A prefill work item is (sequence, KV head, run of
-  consecutive query rows). Its first tile to reach an entry rotates that entry's K and writes the
-  rotated halves, in the dot dtype, to the program's own scratch (``[cores, max_keys, D]`` in
-  HBM); later tiles of the item read them back. A program reads back only what it wrote itself;
-  whether triton-ascend orders that HBM store before the later load without an explicit barrier
-  is not verified on hardware.
-* **GQA rows.** Rows are the query heads sharing a KV head, so K/V are read once per KV head and
-  ``tl.dot`` gets >= 16 rows (prefill: ``ROWS`` (query, head) rows; decode: the group padded).
-* **Masks in fp32.** Integer vector compares drop to scalar code on A2; the valid-range and causal
-  masks compare float32 copies of slot and query indices (exact below 2**24).
-* **UB budget.** A2's unified buffer is 192 KB; with double buffering about 96 KB
-  (``UB_BUDGET``) is usable. ``ub_tiles`` lists every tile live in one page iteration and
-  ``choose_tiles`` picks the largest rows and ``BLOCK_N`` that fit. It is an estimate that counts
-  every tile as simultaneously live, not a measurement: only CANN's stage allocates UB.
-* **Split-KV decode.** One query per sequence leaves cores idle when the batch is small, so the
-  block table is split into ``num_splits`` ranges (from the core count), each writing a partial
-  output and its log2-sum-exp; a combine kernel merges them.
-
-Scores are ``q.k = q1.k1 + q2.k2`` on the rotated halves, online softmax in fp32 with exp2; dots
-take fp32 or the input's half dtype with fp32 accumulation. Under an interpreter bf16 dots fall
-back to fp32 unless ``half_dots=True`` (Triton's interpreter multiplies bf16's raw bits; the tests
-patch it to upcast), fp16 dots run as on the NPU.
+* **UB budget.** A2's unified buffer is 192 KiB per vector core. ``ub_bytes`` is what BiSheng
+  IR's compiler (``bishengir-compile`` 1.2.0, the stage after ``ttadapter``) places in it for one
+  attention launch, fitted to its final HIVM and stated as an upper bound over the fit's tiles;
+  ``choose_tiles`` picks the most rows, then the widest ``BLOCK_N``, under ``UB_BUDGET`` (85%:
+  room for a later compiler's extra temporary). ``tests/ops/test_ascend_compile.py`` holds every
+  launch to that budget on the compiler's own figure.
 """
 
 from __future__ import annotations
@@ -73,25 +39,20 @@ from typing import Any
 
 import torch
 import triton
-import triton.language as tl
 
 from ascend_mepic import ops
 from ascend_mepic.ops.metadata import PagedRopeMetadata
 from ascend_mepic.ops.rope import RopeSpec
+from ascend_mepic.ops.triton_ascend_kernels import _decode_kernel, _prefill_kernel, _rope_q_kernel
 from ascend_mepic.ops.triton_common import (
     INTERPRETED,
     LOG2E,
     check_layout,
     check_tensors,
     combine_kernel,
-    half_scores,
     int32,
     launch_strides,
-    log2_sum_exp,
-    normalize,
     pow2_at_least,
-    rotate,
-    softmax_step,
     split_buffers,
 )
 
@@ -103,66 +64,38 @@ INTERPRETER_CORES = 3
 DEFAULT_NPU_CORES = 20
 
 
-# A2 (910B) unified buffer per AI core, and the share a double-buffered kernel may fill.
+# A2 (910B) unified buffer per vector core, and the share a launch may fill in the compiler's
+# plan (the rest: what another CANN build or a later pass may add).
 UB_BYTES = 192 * 1024
-UB_BUDGET = UB_BYTES // 2
+UB_FRACTION = 0.85
+UB_BUDGET = int(UB_BYTES * UB_FRACTION)
 # Candidate tile sizes, preferred first (rows: BLOCK_Q * GROUP_P; keys per sub-tile).
 ROW_CHOICES = (32, 16)
 BLOCK_N_CHOICES = (64, 32, 16)
+# bishengir-compile 1.2.0's UB plan of an attention launch (final HIVM, highest placed end), per
+# (decode, NeoX rotation): bytes = a * rows * D_P + b * BLOCK_N * D_P + c * rows * BLOCK_N + d.
+# Least squares (tests/ops/fit_ascend_ub.py) over a tile grid (heads 64/128/256, float16 and
+# float32, cos/sin in the model dtype, rows 16/32, BLOCK_N 16/32/64; the points placed under 86%
+# of UB: above that the compiler drops multi-buffering and its figure saturates), each fit then
+# scaled by its largest under-statement (1.01-1.14), so it bounds its points from above (within
+# 8% for prefill, 26% for decode). Prefill's ``a`` then lowered by 4: one fp32 accumulator less
+# since the accumulator's zero is no longer a constant the compiler hoists and keeps live (-16 KiB
+# at head 256; decode keeps its fit, which the lowered one under-stated by 2.5% at head 64).
+# Element dtypes barely move it (the compiler keeps fp32 copies of the half tiles): not terms.
+# The compile test checks that it bounds every shipped launch's plan.
+UB_FIT: dict[tuple[bool, bool], tuple[float, float, float, int]] = {
+    (False, True): (17.64, 16.75, 21.96, 3974),  # prefill, NeoX
+    (False, False): (17.2, 19.47, 21.12, 3529),  # prefill, GPT-J
+    (True, True): (16.19, 7.65, 6.7, 6962),  # decode, NeoX
+    (True, False): (1.35, 35.09, -60.6, 58888),  # decode, GPT-J (rows are 16: not separable)
+}
 
 
-def ub_tiles(
-    rows: int,
-    block_n: int,
-    head: int,
-    q_bytes: int,
-    kv_bytes: int,
-    cos_sin_bytes: int = 4,
-    dot_fp32: bool = False,
-) -> dict[str, int]:
-    """Bytes of every tile one page iteration holds in UB, by name (an estimate, not measured).
-
-    Counts each tile as live at once, including the fp32 copies that conversions and the rotation
-    make, so it over- rather than under-states (vllm-ascend's RoPE kernel learnt on hardware that
-    the compiler materialises such temporaries). The prologue (Q rotation) is smaller and is not
-    listed. ``rows`` = ``BLOCK_Q * GROUP_P``; sizes use the padded ``HALF_P``/``D_P``.
-    """
-    half_p = pow2_at_least(head // 2, 16)
+def ub_bytes(rows: int, block_n: int, head: int, *, decode: bool, neox: bool) -> int:
+    """UB bytes the compiler plans for one attention launch with these tiles (``UB_FIT``)."""
+    a, b, c, d = UB_FIT[(decode, neox)]
     d_p = pow2_at_least(head, 16)
-    dot = 4 if dot_fp32 else q_bytes
-    k_half = block_n * half_p  # elements of one K half sub-tile
-
-    def conv(src: int, dst: int, elems: int) -> int:  # a converted copy, when the dtype changes
-        return 0 if src == dst else elems * dst
-
-    return {
-        "Q halves (dot dtype)": 2 * rows * half_p * dot,
-        "accumulator fp32": rows * d_p * 4,
-        "row state m, l, alpha, query index fp32": 4 * rows * 4,
-        "K halves raw": 2 * k_half * kv_bytes,
-        "K halves fp32": conv(kv_bytes, 4, 2 * k_half),
-        "cos/sin raw": 2 * k_half * cos_sin_bytes,
-        "cos/sin fp32": conv(cos_sin_bytes, 4, 2 * k_half),
-        "rotation products fp32": 2 * k_half * 4,
-        "K halves rotated fp32": 2 * k_half * 4,
-        "K halves rotated (dot dtype)": conv(4, dot, 2 * k_half),
-        "V": block_n * d_p * kv_bytes,
-        "V (dot dtype)": conv(kv_bytes, dot, block_n * d_p),
-        "scores fp32": rows * block_n * 4,
-        "causal/valid mask": rows * block_n,
-        "P fp32": rows * block_n * 4,
-        "P (dot dtype)": conv(4, dot, rows * block_n),
-        "slot index vectors": 4 * block_n * 4,
-    }
-
-
-def ub_bytes(*args, **kwargs) -> int:
-    """Estimated UB bytes of one page iteration (the sum of ``ub_tiles``)."""
-    return sum(ub_tiles(*args, **kwargs).values())
-
-
-def _bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return int(a * rows * d_p + b * block_n * d_p + c * rows * block_n + d)
 
 
 def dots_in_fp32(q_dtype: torch.dtype, kv_dtype: torch.dtype, half_dots: bool | None) -> bool:
@@ -175,21 +108,12 @@ def dots_in_fp32(q_dtype: torch.dtype, kv_dtype: torch.dtype, half_dots: bool | 
 
 
 def choose_tiles(
-    head: int,
-    group: int,
-    block_size: int,
-    q_dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-    cos_sin_dtype: torch.dtype = torch.float32,
-    decode: bool = False,
-    dot_fp32: bool | None = None,
+    head: int, group: int, block_size: int, decode: bool = False, neox: bool = True
 ) -> tuple[int, int]:
     """``(block_q, block_n)`` the launcher uses: the most rows, then the widest sub-tile, whose
     ``ub_bytes`` fits ``UB_BUDGET`` (smallest tiles if nothing does). Decode has one query:
     ``block_q`` is 1 and its rows are the group padded to 16."""
     group_p = pow2_at_least(group, 1)
-    fp32 = torch.float32 in (q_dtype, kv_dtype) if dot_fp32 is None else dot_fp32
-    sizes = (_bytes(q_dtype), _bytes(kv_dtype), _bytes(cos_sin_dtype), fp32)
     if decode:
         row_choices = (pow2_at_least(group, 16),)
     else:
@@ -197,439 +121,10 @@ def choose_tiles(
     widths = [n for n in BLOCK_N_CHOICES if n <= block_size and block_size % n == 0] or [16]
     for rows in row_choices:
         for block_n in widths:
-            if ub_bytes(rows, block_n, head, *sizes) <= UB_BUDGET:
+            if ub_bytes(rows, block_n, head, decode=decode, neox=neox) <= UB_BUDGET:
                 return (1 if decode else max(1, rows // group_p)), block_n
     rows = row_choices[-1]
     return (1 if decode else max(1, rows // group_p)), widths[-1]
-
-
-@triton.jit
-def _i64(x):
-    """``x`` as an int64 scalar (a loop index is a Python int under the interpreter)."""
-    return tl.zeros([], tl.int64) + x
-
-
-@triton.jit
-def _tile_block_ptr(base, n_rows, row0, stride_row, n_cols, ROWS: tl.constexpr,
-                    COLS: tl.constexpr):  # fmt: skip
-    """The 2-D block pointer of ``_load_tile``'s tile (triton-ascend's idiom; vllm-ascend's
-    kernels use this form)."""
-    return tl.make_block_ptr(
-        base,
-        shape=(n_rows, n_cols),
-        strides=(stride_row, 1),
-        offsets=(row0, 0),
-        block_shape=(ROWS, COLS),
-        order=(1, 0),
-    )
-
-
-@triton.jit
-def _load_tile(
-    base,
-    n_rows,
-    row0,
-    stride_row,
-    n_cols,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-):
-    """Rows ``[row0, row0 + ROWS)`` x columns ``[0, COLS)`` of a row-major 2-D region with unit
-    column stride, zero past ``n_rows`` rows and ``n_cols`` columns, through a 2-D block pointer.
-    """
-    ptr = _tile_block_ptr(base, n_rows, row0, stride_row, n_cols, ROWS, COLS)
-    return tl.load(ptr, boundary_check=(0, 1), padding_option="zero")
-
-
-@triton.jit
-def _store_tile(
-    base,
-    x,
-    n_rows,
-    row0,
-    stride_row,
-    n_cols,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-):
-    """Store ``x`` ``[ROWS, COLS]`` where ``_load_tile`` would load it (in range only)."""
-    ptr = _tile_block_ptr(base, n_rows, row0, stride_row, n_cols, ROWS, COLS)
-    tl.store(ptr, x, boundary_check=(0, 1))
-
-
-@triton.jit
-def _load_pairs(
-    base,
-    n_rows,
-    row0,
-    stride_row,
-    ROWS: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_P: tl.constexpr,
-    D: tl.constexpr,
-    D_P: tl.constexpr,
-    IS_NEOX: tl.constexpr,
-):
-    """The rotation pairs of ``ROWS`` head rows as two fp32 halves ``[ROWS, HALF_P]``: column
-    ``c`` of each is pair ``c`` (NeoX: columns ``c`` and ``c + HALF``; GPT-J: ``2c`` and
-    ``2c + 1``). NeoX loads each half as its own unit-stride tile; GPT-J loads whole rows and
-    splits them with ``tl.split`` (no stride-2 load; as vllm-ascend's RoPE kernel does)."""
-    if IS_NEOX:
-        x1 = _load_tile(base, n_rows, row0, stride_row, HALF, ROWS, HALF_P)
-        x2 = _load_tile(base + HALF, n_rows, row0, stride_row, HALF, ROWS, HALF_P)
-    else:
-        x = _load_tile(base, n_rows, row0, stride_row, D, ROWS, D_P)
-        x1, x2 = tl.split(tl.reshape(x, (ROWS, HALF_P, 2)))
-    return x1.to(tl.float32), x2.to(tl.float32)
-
-
-@triton.jit
-def _attend_entry(
-    q1,
-    q2,
-    q_idx_f,
-    m_i,
-    l_i,
-    acc,
-    j,
-    meta_row,
-    k_head_ptr,
-    v_head_ptr,
-    scratch_ptr,
-    stride_kb,
-    stride_ks,
-    stride_vb,
-    stride_vs,
-    block_tables_ptr,
-    first_pos_ptr,
-    valid_start_ptr,
-    valid_end_ptr,
-    cos_sin_ptr,
-    stride_cs,
-    B: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_P: tl.constexpr,
-    D: tl.constexpr,
-    D_P: tl.constexpr,
-    IS_NEOX: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    SCRATCH: tl.constexpr,
-):
-    """Online softmax of the rows over block-table entry ``j``'s valid sub-tiles.
-
-    ``SCRATCH``: 0 rotate K; 1 rotate K and write it to the scratch rows ``j * B + slot`` (the
-    two rotated halves side by side); 2 read the rotated K back from there (no raw K, no
-    cos/sin). The sub-tile loop's bounds cover ``[valid_start, valid_end)``, so an empty entry
-    costs no iteration. Every tile is a 2-D unit-stride tile at a scalar base: K and V rows of
-    the page, and the cos/sin rows of their positions, which are consecutive.
-    """
-    n = tl.arange(0, BLOCK_N)
-    blk = tl.load(block_tables_ptr + meta_row + j).to(tl.int64)
-    first = tl.load(first_pos_ptr + meta_row + j)
-    v_start = tl.load(valid_start_ptr + meta_row + j)
-    v_end = tl.load(valid_end_ptr + meta_row + j)
-    v_end_f = v_end.to(tl.float32)
-    for row0 in range(v_start, v_end, BLOCK_N):
-        # Sub-tiles start at the first valid slot, so every tile is rows [row0, row0 + BLOCK_N)
-        # cut at v_end: one upper bound, and the cos/sin rows (positions first + row - v_start)
-        # never fall before the table.
-        rows_left = v_end - row0
-        slot_f = (row0 + n).to(tl.float32)
-        real = slot_f < v_end_f
-        s_tile = scratch_ptr + _i64(j * B + row0) * D
-        if SCRATCH == 2:
-            k1 = _load_tile(s_tile, rows_left, 0, D, HALF, BLOCK_N, HALF_P)
-            k2 = _load_tile(s_tile + HALF, rows_left, 0, D, HALF, BLOCK_N, HALF_P)
-        else:
-            k_tile = k_head_ptr + blk * stride_kb + _i64(row0) * stride_ks
-            x1, x2 = _load_pairs(
-                k_tile, rows_left, 0, stride_ks, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX
-            )
-            cs_tile = cos_sin_ptr + _i64(first - v_start + row0) * stride_cs
-            cos = _load_tile(cs_tile, rows_left, 0, stride_cs, HALF, BLOCK_N, HALF_P)
-            sin = _load_tile(cs_tile + HALF, rows_left, 0, stride_cs, HALF, BLOCK_N, HALF_P)
-            k1, k2 = rotate(x1, x2, cos.to(tl.float32), sin.to(tl.float32))
-            if not DOT_FP32:
-                k1 = k1.to(q1.dtype)
-                k2 = k2.to(q2.dtype)
-            if SCRATCH == 1:
-                _store_tile(s_tile, k1, rows_left, 0, D, HALF, BLOCK_N, HALF_P)
-                _store_tile(s_tile + HALF, k2, rows_left, 0, D, HALF, BLOCK_N, HALF_P)
-        s = half_scores(q1, q2, k1, k2, DOT_FP32)  # K is in the dot dtype already
-        key_idx_f = slot_f + j * B
-        allowed = real[None, :] & (key_idx_f[None, :] <= q_idx_f[:, None])
-        p, alpha, m_new, l_i = softmax_step(s, allowed, m_i, l_i)
-        # Rows past v_end load as zero: an uninitialised slot may hold NaN (0 * NaN = NaN).
-        v_tile = v_head_ptr + blk * stride_vb + _i64(row0) * stride_vs
-        v = _load_tile(v_tile, rows_left, 0, stride_vs, D, BLOCK_N, D_P)
-        acc = acc * alpha[:, None]
-        if DOT_FP32:
-            acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(q1.dtype), v.to(q1.dtype))
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _rotated_q(
-    q_row_ptr,
-    n_heads,
-    pos,
-    cos_sin_ptr,
-    stride_qh,
-    stride_cs,
-    qk_scale,
-    GROUP_P: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_P: tl.constexpr,
-    D: tl.constexpr,
-    D_P: tl.constexpr,
-    IS_NEOX: tl.constexpr,
-):
-    """One query's ``n_heads`` consecutive heads (rows ``stride_qh`` apart) rotated at ``pos``
-    and pre-scaled, as two fp32 halves ``[GROUP_P, HALF_P]``. The position is one scalar and its
-    cos/sin row one contiguous load, broadcast over the heads (vllm-ascend's RoPE kernel's form)."""
-    x1, x2 = _load_pairs(q_row_ptr, n_heads, 0, stride_qh, GROUP_P, HALF, HALF_P, D, D_P, IS_NEOX)
-    c = tl.arange(0, HALF_P)
-    cs = cos_sin_ptr + pos.to(tl.int64) * stride_cs
-    cos = tl.load(cs + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cs + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
-    r1, r2 = rotate(x1, x2, cos, sin)
-    return r1 * qk_scale, r2 * qk_scale
-
-
-@triton.jit
-def _rope_q_kernel(
-    q_ptr,
-    qr_ptr,
-    cos_sin_ptr,
-    query_pos_ptr,
-    num_rows,
-    stride_qt,
-    stride_qh,
-    stride_cs,
-    qk_scale,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_P: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_P: tl.constexpr,
-    D: tl.constexpr,
-    D_P: tl.constexpr,
-    IS_NEOX: tl.constexpr,
-):
-    """Persistent: work item = (query, KV head). Rotates and pre-scales the KV head's ``GROUP``
-    query heads and writes them, rotated halves side by side, in the dot dtype, to
-    ``qr[kv_head, query * GROUP + g]`` (``[Hkv, T * GROUP, D]``): the prefill kernel then reads
-    each tile of (query, head) rows as one 2-D unit-stride tile."""
-    for w in range(tl.program_id(0), num_rows * NUM_KV_HEADS, tl.num_programs(0)):
-        row = w // NUM_KV_HEADS
-        kv_head = w % NUM_KV_HEADS
-        pos = tl.load(query_pos_ptr + row)
-        q_row = q_ptr + _i64(row) * stride_qt + (kv_head * GROUP) * stride_qh
-        q1, q2 = _rotated_q(
-            q_row, GROUP, pos, cos_sin_ptr, stride_qh, stride_cs, qk_scale,
-            GROUP_P, HALF, HALF_P, D, D_P, IS_NEOX,
-        )  # fmt: skip
-        dst = qr_ptr + _i64((kv_head * num_rows + row) * GROUP) * D
-        ty = qr_ptr.dtype.element_ty
-        _store_tile(dst, q1.to(ty), GROUP, 0, D, HALF, GROUP_P, HALF_P)
-        _store_tile(dst + HALF, q2.to(ty), GROUP, 0, D, HALF, GROUP_P, HALF_P)
-
-
-@triton.jit
-def _prefill_kernel(
-    qr_ptr,
-    out_ptr,
-    k_ptr,
-    v_ptr,
-    cos_sin_ptr,
-    scratch_ptr,
-    num_items_ptr,
-    item_seq_ptr,
-    item_row_lo_ptr,
-    item_row_hi_ptr,
-    row_q_idx_ptr,
-    block_tables_ptr,
-    num_blocks_ptr,
-    first_pos_ptr,
-    valid_start_ptr,
-    valid_end_ptr,
-    num_rows,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_bt,
-    stride_cs,
-    stride_scratch,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    ROWS: tl.constexpr,
-    B: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_P: tl.constexpr,
-    D: tl.constexpr,
-    D_P: tl.constexpr,
-    IS_NEOX: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    """Persistent: work item ``w`` = (run of queries ``w // Hkv``, KV head ``w % Hkv``).
-
-    Rows are (query, head) pairs of the KV head, ``ROWS`` per tile, read from the rotated queries
-    ``qr`` (``_rope_q_kernel``) and written to ``out`` in the same ``[Hkv, T * GROUP, D]`` order.
-    The run's tiles go in row order; entries ``[0, done)`` were rotated by an earlier tile of the
-    run and are read from this program's scratch, entries ``[done, hi)`` are rotated and written.
-    """
-    pid = tl.program_id(0)
-    scratch = scratch_ptr + pid.to(tl.int64) * stride_scratch
-    r = tl.arange(0, ROWS)
-    num_work = tl.load(num_items_ptr) * NUM_KV_HEADS
-    for w in range(pid, num_work, tl.num_programs(0)):
-        item = w // NUM_KV_HEADS
-        kv_head = w % NUM_KV_HEADS
-        seq = tl.load(item_seq_ptr + item)
-        f_lo = tl.load(item_row_lo_ptr + item) * GROUP
-        f_hi = tl.load(item_row_hi_ptr + item) * GROUP
-        nb = tl.load(num_blocks_ptr + seq)
-        meta_row = seq.to(tl.int64) * stride_bt
-        k_head = k_ptr + kv_head * stride_kh
-        v_head = v_ptr + kv_head * stride_vh
-        head_rows = _i64(kv_head * num_rows * GROUP) * D
-        q_head = qr_ptr + head_rows
-        o_head = out_ptr + head_rows
-        done = nb * 0
-        for f0 in range(f_lo, f_hi, ROWS):
-            q1 = _load_tile(q_head, f_hi, f0, D, HALF, ROWS, HALF_P)
-            q2 = _load_tile(q_head + HALF, f_hi, f0, D, HALF, ROWS, HALF_P)
-            q_idx = tl.load(row_q_idx_ptr + f0 + r, mask=f0 + r < f_hi, other=-1)
-            q_idx_f = q_idx.to(tl.float32)
-            # Entries wholly after the tile's last query are never visited.
-            hi = tl.minimum(nb, tl.max(q_idx, 0) // B + 1)
-            m_i = tl.full([ROWS], float("-inf"), tl.float32)
-            l_i = tl.zeros([ROWS], tl.float32)
-            acc = tl.zeros([ROWS, D_P], tl.float32)
-            for j in range(0, tl.minimum(done, hi)):
-                m_i, l_i, acc = _attend_entry(
-                    q1, q2, q_idx_f, m_i, l_i, acc, j, meta_row, k_head, v_head, scratch,
-                    stride_kb, stride_ks, stride_vb, stride_vs,
-                    block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr,
-                    cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, DOT_FP32, 2,
-                )  # fmt: skip
-            for j in range(done, hi):
-                m_i, l_i, acc = _attend_entry(
-                    q1, q2, q_idx_f, m_i, l_i, acc, j, meta_row, k_head, v_head, scratch,
-                    stride_kb, stride_ks, stride_vb, stride_vs,
-                    block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr,
-                    cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, DOT_FP32, 1,
-                )  # fmt: skip
-            done = tl.maximum(done, hi)
-            out = normalize(acc, l_i)
-            ty = out_ptr.dtype.element_ty
-            _store_tile(o_head, out.to(ty), f_hi, f0, D, D, ROWS, D_P)
-
-
-@triton.jit
-def _decode_kernel(
-    q_ptr,
-    out_ptr,
-    part_ptr,
-    lse_ptr,
-    k_ptr,
-    v_ptr,
-    cos_sin_ptr,
-    num_seqs,
-    query_start_loc_ptr,
-    query_pos_ptr,
-    query_idx_ptr,
-    block_tables_ptr,
-    num_blocks_ptr,
-    first_pos_ptr,
-    valid_start_ptr,
-    valid_end_ptr,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_bt,
-    stride_cs,
-    qk_scale,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_P: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    B: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_P: tl.constexpr,
-    D: tl.constexpr,
-    D_P: tl.constexpr,
-    IS_NEOX: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    """Persistent: work item = (sequence, KV head, split); rows = the GROUP heads of its query
-    (padded to ``GROUP_P`` >= 16 rows for ``tl.dot``). Each page is seen once per work item. The
-    query's position and index are scalar loads (a sequence has at most one query here)."""
-    g = tl.arange(0, GROUP_P)
-    num_work = num_seqs * NUM_KV_HEADS * NUM_SPLITS
-    for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
-        split = w % NUM_SPLITS
-        kv_head = (w // NUM_SPLITS) % NUM_KV_HEADS
-        seq = w // (NUM_SPLITS * NUM_KV_HEADS)
-        head0 = kv_head * GROUP
-        row = tl.load(query_start_loc_ptr + seq)
-        has_query = row < tl.load(query_start_loc_ptr + seq + 1)
-        pos = tl.load(query_pos_ptr + row, mask=has_query, other=0)
-        q_idx = tl.load(query_idx_ptr + row, mask=has_query, other=-1)
-        n_heads = tl.where(has_query, GROUP, 0)
-        q_row = q_ptr + row.to(tl.int64) * stride_qt + head0 * stride_qh
-        q1, q2 = _rotated_q(
-            q_row, n_heads, pos, cos_sin_ptr, stride_qh, stride_cs, qk_scale,
-            GROUP_P, HALF, HALF_P, D, D_P, IS_NEOX,
-        )  # fmt: skip
-        if not DOT_FP32:
-            q1 = q1.to(q_ptr.dtype.element_ty)
-            q2 = q2.to(q_ptr.dtype.element_ty)
-        q_idx_f = tl.zeros([GROUP_P], tl.float32) + q_idx.to(tl.float32)
-        # Entries up to the query's own; none without a query (no negative integer division:
-        # C truncation on the NPU, floor in the interpreter).
-        nb = tl.where(q_idx >= 0, tl.minimum(tl.load(num_blocks_ptr + seq), q_idx // B + 1), 0)
-        per_split = tl.cdiv(nb, NUM_SPLITS)
-        lo = tl.minimum(split * per_split, nb)
-        hi = tl.minimum(lo + per_split, nb)
-        m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_P], tl.float32)
-        acc = tl.zeros([GROUP_P, D_P], tl.float32)
-        for j in range(lo, hi):
-            m_i, l_i, acc = _attend_entry(
-                q1, q2, q_idx_f, m_i, l_i, acc, j, seq.to(tl.int64) * stride_bt,
-                k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, k_ptr,
-                stride_kb, stride_ks, stride_vb, stride_vs,
-                block_tables_ptr, first_pos_ptr, valid_start_ptr, valid_end_ptr,
-                cos_sin_ptr, stride_cs, B, BLOCK_N, HALF, HALF_P, D, D_P, IS_NEOX, DOT_FP32, 0,
-            )  # fmt: skip
-        out = normalize(acc, l_i)
-        if NUM_SPLITS == 1:
-            o_row = out_ptr + row.to(tl.int64) * stride_ot + head0 * stride_oh
-            ty = out_ptr.dtype.element_ty
-            _store_tile(o_row, out.to(ty), n_heads, 0, stride_oh, D, GROUP_P, D_P)
-        else:
-            # Partials [T, Hq, NUM_SPLITS, D] and their log2-sum-exp [T, Hq, NUM_SPLITS] (fp32).
-            part = (row.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head0) * NUM_SPLITS + split
-            _store_tile(part_ptr + part * D, out, n_heads, 0, NUM_SPLITS * D, D, GROUP_P, D_P)
-            lse = log2_sum_exp(m_i, l_i)
-            tl.store(lse_ptr + part + g * NUM_SPLITS, lse, mask=g < n_heads)
 
 
 def prefill_items(
@@ -864,9 +359,7 @@ def plan_launches(
     group_p = pow2_at_least(group, 1)
     dot_fp32 = dots_in_fp32(query.dtype, kv_cache.dtype, half_dots)
     cos_sin = rope.cos_sin_cache.to(device).contiguous()
-    auto_q, auto_n = choose_tiles(
-        d, group, bs, query.dtype, kv_cache.dtype, cos_sin.dtype, decode, dot_fp32
-    )
+    auto_q, auto_n = choose_tiles(d, group, bs, decode, bool(rope.is_neox_style))
     block_n = block_n or auto_n
     if block_n < 16 or block_n & (block_n - 1) or bs % block_n:
         raise ValueError(f"block_n {block_n} must be a power of two >= 16 dividing {bs}")

@@ -70,7 +70,7 @@ def reserve_attention_scratch(vllm_config, device: torch.device) -> None:
     torch_npu composition's (``ops.npu.reserve_scratch``) or the triton-ascend prefill kernel's
     rotated-K scratch (``reserve_prefill_scratch``)."""
     mc = vllm_config.model_config
-    impl = npu_attention_impl(mc)
+    impl = npu_attention_impl(mc, vllm_config.parallel_config)
     if impl == "triton-ascend":
         from ascend_mepic.ops.triton_ascend import (
             dots_in_fp32,
@@ -111,14 +111,22 @@ def check_eager(vllm_config) -> None:
         )
 
 
-def npu_attention_impl(model_config) -> str:
-    """The attention implementation this model gets on the NPU (``ops.select_impl``), chosen at
-    start-up so that a shape no NPU path takes fails before the model loads."""
+def npu_attention_impl(model_config, parallel_config=None) -> str:
+    """The attention implementation this model gets on the NPU (``ops.select_impl``, from the
+    head size, dtype and this rank's GQA ratio), chosen at start-up so that a shape no NPU path
+    takes fails before the model loads."""
     head_size = model_config.get_head_size()
-    impl = select_impl(torch.device("npu"), head_size, model_config.dtype)
+    if parallel_config is None:
+        hq = model_config.get_total_num_attention_heads()
+        hkv = model_config.get_total_num_kv_heads()
+    else:
+        hq = model_config.get_num_attention_heads(parallel_config)
+        hkv = model_config.get_num_kv_heads(parallel_config)
+    group = hq // hkv if hkv and hq % hkv == 0 else None
+    impl = select_impl(torch.device("npu"), head_size, model_config.dtype, group)
     logger.info(
-        "MEPIC attention on the NPU (untested on hardware): %s for head size %d, %s",
-        impl, head_size, model_config.dtype,
+        "MEPIC attention on the NPU (untested on hardware): %s for head size %d, GQA ratio %s, %s",
+        impl, head_size, group, model_config.dtype,
     )  # fmt: skip
     return impl
 
@@ -128,7 +136,7 @@ def prepare_worker_process(vllm_config) -> None:
     and attention-path checks, NoPE rotary ops over vllm-ascend's, and MEPIC's backend."""
     check_model_supported(vllm_config.model_config)
     check_eager(vllm_config)
-    npu_attention_impl(vllm_config.model_config)
+    npu_attention_impl(vllm_config.model_config, vllm_config.parallel_config)
     install_nope_rope(replace_registered=True)
     use_attention_backend()
 

@@ -181,27 +181,51 @@ def test_vllm_serve_with_a_mepic_config_selects_mepic(monkeypatch, vllm_config):
         NPUPlatform.check_and_update_config(vllm_config)
 
 
-@pytest.mark.parametrize(
-    ("head_size", "dtype", "with_kernel", "expected"),
-    [
-        (128, torch.bfloat16, True, "npu"),  # FIA's native shape: CANN's own ops
-        (128, torch.float16, True, "npu"),
-        (128, torch.float32, True, "triton-ascend"),  # FIA takes no float32
-        (64, torch.bfloat16, True, "npu"),  # FIA's TND paged mode: head 64 and 128
-        (96, torch.bfloat16, True, "triton-ascend"),  # FIA: GQA only; the choice sees no heads
-        (None, None, True, "triton-ascend"),
-        (128, torch.float32, False, "npu"),  # attends in bfloat16
-        (None, None, False, "npu"),
-    ],
-)
-def test_the_npu_default_depends_on_head_size_and_dtype(
-    monkeypatch, head_size, dtype, with_kernel, expected
+# One row per row of docs/ascend.md's routing table (head size, dtype, GQA ratio -> path).
+ROUTES = [
+    (128, torch.bfloat16, 1, True, "npu"),  # FIA's native shape: CANN's own ops, MHA too
+    (128, torch.float16, 4, True, "npu"),
+    (64, torch.bfloat16, 1, True, "npu"),  # FIA's TND paged mode: head 64 and 128 at any ratio
+    (64, torch.float16, 8, True, "npu"),
+    (80, torch.bfloat16, 4, True, "npu"),  # GQA/MQA: any multiple of 16 up to 256
+    (96, torch.float16, 2, True, "npu"),
+    (256, torch.bfloat16, 8, True, "npu"),
+    (256, torch.float16, 64, True, "npu"),  # FIA's largest ratio
+    (96, torch.bfloat16, 1, True, "triton-ascend"),  # MHA at 80/96/256: not in the table
+    (256, torch.float16, 1, True, "triton-ascend"),
+    (96, torch.bfloat16, None, True, "triton-ascend"),  # ratio unknown: taken as MHA
+    (256, torch.bfloat16, 128, True, "triton-ascend"),  # ratio over FIA's 64
+    (72, torch.bfloat16, 4, True, "triton-ascend"),  # not a multiple of 16
+    (512, torch.bfloat16, 4, True, "triton-ascend"),  # over 256 (vllm-ascend avoids TND there)
+    (128, torch.float32, 4, True, "triton-ascend"),  # FIA takes no float32
+    (96, torch.float32, 4, True, "triton-ascend"),
+    (None, None, None, True, "triton-ascend"),
+    (128, torch.float32, 4, False, "npu"),  # without the kernel: attends in bfloat16
+    (96, torch.float32, 4, False, "npu"),
+    (None, None, None, False, "npu"),
+]
+
+
+@pytest.mark.parametrize(("head_size", "dtype", "group", "with_kernel", "expected"), ROUTES)
+def test_the_npu_default_depends_on_head_size_dtype_and_gqa_ratio(
+    monkeypatch, head_size, dtype, group, with_kernel, expected
 ):
     from ascend_mepic.ops import select_impl
 
     monkeypatch.delenv("ASCEND_MEPIC_ATTN_IMPL", raising=False)
     monkeypatch.setattr("ascend_mepic.ops.have_triton_ascend", lambda: with_kernel)
-    assert select_impl(torch.device("npu", 0), head_size, dtype) == expected
+    assert select_impl(torch.device("npu", 0), head_size, dtype, group) == expected
+
+
+def test_the_composition_takes_what_it_is_routed():
+    """Every shape routed to the composition passes its own limits check (and MHA at 96 not)."""
+    from ascend_mepic.ops.npu import check_npu_supported
+
+    for head_size, _, group, _, expected in ROUTES:
+        if expected == "npu" and group is not None:
+            check_npu_supported(group * 2, 2, head_size)
+    with pytest.raises(ValueError, match="head size 96"):
+        check_npu_supported(8, 8, 96)
 
 
 def test_a_shape_no_npu_path_takes_is_refused_naming_both_paths(monkeypatch):
