@@ -16,6 +16,12 @@ Anchored compiles (``anchor`` tokens given): every chunk is computed after the a
 (at positions 0..A-1, the chunk at A..A+L-1) instead of alone, and only the chunk's own K and V
 are kept; the anchor's are dropped.
 
+Issue 65's variants (:meth:`MepicOracle.variant_logprobs`): any set of private offsets per chunk
+(computed in context, the rest chunk-alone KV) and a compile anchor (the chunk computed alone
+after the anchor's tokens, positions continuing from them, the anchor's KV dropped);
+:meth:`MepicOracle.question_attention` is the question rows' attention over the naive assembly,
+from this file's own attention.
+
 Models: Llama, Mistral, Qwen2 (its QKV bias is in the HF projections) and Qwen3 (q and k are
 RMS-normed per head before RoPE, so the chunk-alone K kept is normed and un-rotated). Default RoPE
 is computed here from its base; a scaled RoPE (Llama-3.1's llama3) takes its inverse frequencies
@@ -85,9 +91,10 @@ class MepicOracle:
         self.inv_freq = _inv_freq(model, self.head_dim)
 
     @torch.no_grad()
-    def _run(self, tokens, positions, past):
+    def _run(self, tokens, positions, past, capture=None):
         """Layers over ``tokens`` at ``positions``; ``past`` gives per-layer (K, V, pos) that
-        precede them. Returns final hidden states and this pass's per-layer (K, V, pos)."""
+        precede them. Returns final hidden states and this pass's per-layer (K, V, pos);
+        ``capture`` (a list) receives each layer's attention probabilities [H, q, k]."""
         m = self.model.model
         h = m.embed_tokens(torch.tensor(tokens))
         pos = torch.tensor(positions)
@@ -109,7 +116,10 @@ class MepicOracle:
             vv = vals.double().repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", qr, kr) / self.head_dim**0.5
             scores = scores.masked_fill(kpos[None, None, :] > pos[None, :, None], float("-inf"))
-            out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), vv)
+            probs = torch.softmax(scores, -1)
+            if capture is not None:
+                capture.append(probs)
+            out = torch.einsum("hqk,khd->qhd", probs, vv)
             h = h + attn.o_proj(out.reshape(n, -1).to(h.dtype))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return m.norm(h), mine
@@ -155,6 +165,82 @@ class MepicOracle:
         assert segments[-1].kind is SegmentKind.PROMPT and hidden is not None
         logits = self.model.lm_head(hidden[-1:]).double()
         return torch.log_softmax(logits[0], dim=-1)
+
+    def _alone(self, toks: list[int], anchor: list[int]):
+        """A chunk's per-layer (K, V) computed alone after ``anchor`` (its KV dropped)."""
+        m = len(anchor)
+        _, kv = self._run(list(anchor) + toks, list(range(m + len(toks))), None)
+        return [(k[m:], v[m:]) for k, v, _ in kv]
+
+    @torch.no_grad()
+    def variant_logprobs(
+        self,
+        segments: list[Segment],
+        private: Callable[[int, int], list[int]],
+        anchor: list[int] = (),
+    ) -> torch.Tensor:
+        """Next-token log-probs when chunk ``c`` of ``n`` tokens has offsets ``private(c, n)``
+        computed in the request and the rest taken from the chunk computed alone after
+        ``anchor``: runs of private and canonical tokens, in order."""
+        past, hidden, position, c = None, None, 0, 0
+
+        def extend(kv):
+            nonlocal past
+            past = kv if past is None else [
+                (torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]), torch.cat([a[2], b[2]]))
+                for a, b in zip(past, kv, strict=True)
+            ]  # fmt: skip
+
+        for seg in segments:
+            toks = list(seg.token_ids)
+            n = len(toks)
+            if seg.kind is SegmentKind.PROMPT:
+                hidden, kv = self._run(toks, list(range(position, position + n)), past)
+                extend(kv)
+                position += n
+                continue
+            mine = set(private(c, n))
+            c += 1
+            alone = None if len(mine) == n else self._alone(toks, list(anchor))
+            j = 0
+            while j < n:
+                e = j
+                while e < n and ((e in mine) == (j in mine)):
+                    e += 1
+                pos = list(range(position + j, position + e))
+                if j in mine:
+                    _, kv = self._run(toks[j:e], pos, past)
+                    extend(kv)
+                else:
+                    extend([(k[j:e], v[j:e], torch.tensor(pos)) for k, v in alone])
+                j = e
+            position += n
+        assert segments[-1].kind is SegmentKind.PROMPT and hidden is not None
+        logits = self.model.lm_head(hidden[-1:]).double()
+        return torch.log_softmax(logits[0], dim=-1)
+
+    @torch.no_grad()
+    def question_attention(self, segments: list[Segment], anchor: list[int] = ()) -> torch.Tensor:
+        """Per token, the question rows' (the last segment's) attention probability over the
+        naive assembly (every chunk token chunk-alone after ``anchor``), averaged over layers,
+        heads and question rows."""
+        past, position = None, 0
+        for i, seg in enumerate(segments):
+            toks = list(seg.token_ids)
+            n = len(toks)
+            if seg.kind is SegmentKind.CHUNK:
+                kv = [(k, v, torch.arange(position, position + n))
+                      for k, v in self._alone(toks, list(anchor))]  # fmt: skip
+            else:
+                capture = [] if i == len(segments) - 1 else None
+                _, kv = self._run(toks, list(range(position, position + n)), past, capture)
+            past = kv if past is None else [
+                (torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]), torch.cat([a[2], b[2]]))
+                for a, b in zip(past, kv, strict=True)
+            ]  # fmt: skip
+            position += n
+        probs = torch.stack(capture)  # [layers, H, q, N]
+        return probs.mean(dim=(0, 1, 2))
 
 
 def full_segments(segments: list[Segment]) -> list[Segment]:

@@ -37,6 +37,25 @@ cachetune-R    top ceil(R% of L) per chunk by low-frequency KV energy of the can
                set at every layer (per-layer sets would need in-context hidden states for tokens
                that enter at a later layer)
 ============== ==================================================================================
+
+Variants (issue 65): a base ``naive``, ``mepic`` or ``mepic-K`` followed by ``+``-separated
+options, e.g. ``mepic+anchor=prefix+pick=q4``. Every variant keeps chunk KV canonical: one entry
+per (anchor, chunk tokens), the same for every request, never written by a request.
+
+* ``anchor=prefix``: each chunk is compiled after the request's prompt before its first chunk
+  (positions continuing from it); the anchor's KV is not stored with the chunk. Identity:
+  (anchor tokens, chunk tokens), so requests with the same prefix (a RAG deployment's template,
+  system message and instruction) share entries and a request with another prefix gets its own.
+* ``anchor=fixed``: compiled after ``fixed_anchor`` (a per-model or per-deployment text, e.g.
+  the chat template's opening with a fixed system message), whatever the request's prefix.
+* ``pick=qF``: the K private tokens of a chunk of more than K tokens are its first F plus the
+  K - F others with the most attention from the question rows (the trailing prompt segment)
+  over the naive assembly (every chunk token canonical, same anchor), averaged over layers,
+  heads and question rows: a probe pass of the prompt rows after the first chunk. ``pick=q``
+  is F = 0. Private tokens are fresh at every layer; the rest of the chunk stays canonical.
+* ``T=x``, ``S=y`` (APE): for query rows after the last chunk, logits over chunk keys are divided
+  by T and their log-sum-exp multiplied by S (softmax over the adjusted logits); prompt-only:
+  :meth:`PolicyReference.extend` and decoding do not apply it.
 """
 
 from __future__ import annotations
@@ -123,6 +142,114 @@ def parse_policy(name: str) -> tuple[str, int | None]:
     return kind, arg
 
 
+ANCHOR_KINDS = ("prefix", "fixed")
+_OPTION = re.compile(r"^(?:anchor=(prefix|fixed)|pick=q(\d*)|T=([0-9.]+)|S=([0-9.]+))$")
+_VARIANT_HELP = (
+    "naive|mepic|mepic-K, then +anchor=prefix|fixed, +pick=q or +pick=qF (F first tokens kept, "
+    "F < K), +T=x, +S=y (x, y > 0); pick needs a mepic base"
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A PIC variant (issue 65): ``k`` private tokens per chunk (the first ``k``, or with
+    ``pick`` the first ``pick`` plus the rest chosen by question attention), an optional compile
+    anchor, and APE's temperature / log-sum-exp scale for the query rows after the chunks."""
+
+    name: str
+    k: int
+    anchor: str | None = None
+    pick: int | None = None
+    temperature: float = 1.0
+    lse_scale: float = 1.0
+
+
+def parse_variant(name: str) -> Variant:
+    """``"mepic+anchor=prefix+pick=q4"`` -> Variant(k=16, anchor="prefix", pick=4).
+
+    Raises ValueError naming the accepted forms (a typo fails before any model work).
+    """
+    base, *opts = name.strip().split("+") if isinstance(name, str) else ("",)
+    if not opts:
+        raise ValueError(f"{name!r} is no variant (no +option); accepted: {_VARIANT_HELP}")
+    kind, arg = parse_policy(base)
+    if kind not in ("naive", "mepic"):
+        raise ValueError(f"variant base must be naive, mepic or mepic-K, got {base!r}")
+    k = 0 if kind == "naive" else (_MEPIC_K if arg is None else arg)
+    fields: dict[str, Any] = {}
+    for opt in opts:
+        m = _OPTION.match(opt)
+        if m is None:
+            raise ValueError(f"unknown option {opt!r} in {name!r}; accepted: {_VARIANT_HELP}")
+        anchor, pick, temp, scale = m.groups()
+        key = "anchor" if anchor else "pick" if pick is not None else "T" if temp else "S"
+        if key in fields:
+            raise ValueError(f"option {key} given twice in {name!r}")
+        if anchor:
+            fields[key] = anchor
+        elif pick is not None:
+            fields[key] = int(pick or 0)
+        else:
+            try:
+                value = float(temp or scale)
+            except ValueError:
+                raise ValueError(f"bad number in {opt!r} of {name!r}") from None
+            if not value > 0:
+                raise ValueError(f"{key} must be > 0, got {opt!r} in {name!r}")
+            fields[key] = value
+    pick = fields.get("pick")
+    if pick is not None and (k == 0 or pick >= k):
+        raise ValueError(f"pick=qF needs a mepic base and F < K, got {name!r}")
+    return Variant(
+        name=name.strip(),
+        k=k,
+        anchor=fields.get("anchor"),
+        pick=pick,
+        temperature=fields.get("T", 1.0),
+        lse_scale=fields.get("S", 1.0),
+    )
+
+
+def is_variant(name: str) -> bool:
+    """Whether ``name`` is a variant spelling (has options) rather than a plain policy."""
+    return isinstance(name, str) and "+" in name
+
+
+class _Probe:
+    """Sum of attention probabilities from query rows at logical position >= ``q_from`` to each
+    key, over every layer and head it sees (keys indexed as the request's tokens)."""
+
+    def __init__(self, n_keys: int, q_from: int) -> None:
+        self.total = torch.zeros(n_keys, dtype=torch.float64)
+        self.q_from = q_from
+
+    def add(self, probs: torch.Tensor, qpos_rows: torch.Tensor) -> None:
+        sel = qpos_rows >= self.q_from  # probs [Hkv, rows, N], rows ordered as qpos_rows
+        if bool(sel.any()):
+            self.total[: probs.shape[-1]] += probs[:, sel, :].sum(dim=(0, 1))
+
+
+@dataclass(frozen=True)
+class _Ape:
+    """APE's attention temperature and scaling for query rows at positions >= ``q_from``:
+    logits over chunk keys divided by T, their log-sum-exp multiplied by S."""
+
+    temperature: float
+    lse_scale: float
+    chunk_pos: torch.Tensor  # [N] bool, by logical position: the key is a chunk token
+    q_from: int
+
+    def adjust(self, scores: torch.Tensor, qpos_rows: torch.Tensor, kpos: torch.Tensor) -> None:
+        rows = qpos_rows >= self.q_from
+        if not bool(rows.any()):
+            return
+        ck = self.chunk_pos[kpos]
+        z = scores[:, rows, :]
+        zc = z.masked_fill(~ck, -math.inf) / self.temperature
+        lse = torch.logsumexp(zc, dim=-1, keepdim=True)
+        scores[:, rows, :] = torch.where(ck, zc + (self.lse_scale - 1.0) * lse, z)
+
+
 def _top(scores: torch.Tensor, count: int) -> torch.Tensor:
     """Indices of the ``count`` highest scores, ties to the lower index (stable sort)."""
     order = torch.sort(-scores.double(), stable=True).indices
@@ -192,6 +319,8 @@ class PromptState:
     recomputed: int  # chunk tokens fresh above layer 0 (cacheblend: the selected ones)
     chunk_tokens: int
     prompt_tokens: int
+    probe_tokens: int = 0  # variants with pick: prompt rows the probe pass computes in addition
+    canonical_runs: int | None = None  # variants: maximal runs of canonical tokens (table entries)
 
     @property
     def length(self) -> int:
@@ -208,9 +337,10 @@ class PolicyReference:
     under each PIC policy.
 
     ``block_size`` fixes mepic-block's first block; ``dummy_token_id`` (the tokenizer's BOS) is
-    needed by legolink-0; ``check_layer`` is CacheBlend's selection layer. Canonical chunk KV is
-    cached by token ids (``cache_size`` chunks, LRU), so running several policies on the same
-    request computes each chunk alone once.
+    needed by legolink-0; ``check_layer`` is CacheBlend's selection layer; ``fixed_anchor`` the
+    token ids of the variants' ``anchor=fixed``. Canonical chunk KV is cached by token ids and
+    anchor (``cache_size`` chunks, LRU), so running several policies on the same request computes
+    each chunk alone once.
     """
 
     def __init__(
@@ -220,6 +350,7 @@ class PolicyReference:
         dummy_token_id: int | None = None,
         check_layer: int = 1,
         cache_size: int = 32,
+        fixed_anchor: Sequence[int] | None = None,
     ) -> None:
         cfg = hf_model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
@@ -242,6 +373,8 @@ class PolicyReference:
         self.inv_freq = rope_inv_freq(cfg)
         _check_rope_against_hf(hf_model, self.inv_freq)
         self.cache_size = cache_size
+        self.fixed_anchor = None if fixed_anchor is None else tuple(int(t) for t in fixed_anchor)
+        self._probe_cache: dict[tuple, tuple[torch.Tensor, int]] = {}
         self._canonical: OrderedDict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
 
     # -- primitives -------------------------------------------------------------------------
@@ -261,9 +394,12 @@ class PolicyReference:
         keys: torch.Tensor,
         vals: torch.Tensor,
         kpos: torch.Tensor,
+        probe: _Probe | None = None,
+        ape: _Ape | None = None,
     ) -> torch.Tensor:
         """Causal (by logical position) GQA attention in float64. q [n, H, D] un-rotated, keys
-        rotated [N, Hkv, D], ``kpos`` ascending. Returns [n, H*D].
+        rotated [N, Hkv, D], ``kpos`` ascending. Returns [n, H*D]. ``probe`` accumulates the
+        attention probabilities, ``ape`` adjusts the logits of the rows after the chunks.
 
         Queries go in blocks that read only the keys at or before their last position, which
         skips most of the masked half of a long prompt's score matrix.
@@ -274,7 +410,7 @@ class PolicyReference:
             hi = min(lo + _QUERY_BLOCK, q.shape[0])
             end = int(torch.searchsorted(kpos, qpos[hi - 1], right=True))
             out[lo:hi] = self._attend_block(
-                qr[lo:hi], qpos[lo:hi], keys[:end], vals[:end], kpos[:end]
+                qr[lo:hi], qpos[lo:hi], keys[:end], vals[:end], kpos[:end], probe, ape
             )
         return out
 
@@ -285,6 +421,8 @@ class PolicyReference:
         keys: torch.Tensor,
         vals: torch.Tensor,
         kpos: torch.Tensor,
+        probe: _Probe | None = None,
+        ape: _Ape | None = None,
     ) -> torch.Tensor:
         n, group = qr.shape[0], self.heads // self.kv_heads
         # Query heads sharing a KV head are stacked as rows of one matrix per KV head, so both
@@ -293,7 +431,12 @@ class PolicyReference:
         qr = qr.reshape(self.kv_heads, group * n, self.head_dim)
         scores = torch.matmul(qr, keys.permute(1, 2, 0))  # [Hkv, group * n, N]
         scores.masked_fill_(kpos[None, :] > qpos.repeat(group)[:, None], -math.inf)
-        out = torch.matmul(torch.softmax(scores, dim=-1), vals.permute(1, 0, 2))
+        if ape is not None:
+            ape.adjust(scores, qpos.repeat(group), kpos)
+        probs = torch.softmax(scores, dim=-1)
+        if probe is not None:
+            probe.add(probs, qpos.repeat(group))
+        out = torch.matmul(probs, vals.permute(1, 0, 2))
         out = out.view(self.kv_heads, group, n, self.head_dim).permute(2, 0, 1, 3)
         return out.reshape(n, -1)
 
@@ -301,11 +444,12 @@ class PolicyReference:
 
     @torch.inference_mode()
     def canonical_kv(
-        self, tokens: Sequence[int], dummies: bool = False
+        self, tokens: Sequence[int], dummies: bool = False, anchor: Sequence[int] = ()
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (K un-rotated, V) of a chunk computed alone, each [L, Hkv, D] in the model's
-        dtype; with ``dummies`` after LEGOLINK_DUMMIES dummy tokens whose KV is dropped."""
-        key = (tuple(tokens), dummies)
+        dtype; with ``dummies`` after LEGOLINK_DUMMIES dummy tokens, with ``anchor`` after those
+        tokens (positions continuing from them), in both cases their KV dropped."""
+        key = self.canonical_key(tokens, dummies, anchor)
         hit = self._canonical.get(key)
         if hit is not None:
             self._canonical.move_to_end(key)
@@ -317,6 +461,11 @@ class PolicyReference:
                 raise ValueError("legolink-0 needs dummy_token_id (the tokenizer's BOS id)")
             skip = LEGOLINK_DUMMIES
             toks = [self.dummy_token_id] * skip + toks
+        if anchor:
+            if dummies:
+                raise ValueError("a chunk is compiled after dummies or after an anchor, not both")
+            skip = len(anchor)
+            toks = [int(t) for t in anchor] + toks
         pos = torch.arange(len(toks))
         _, raw, _ = self._layers(torch.tensor(toks), pos, pos, None)
         kv = [(k[skip:].clone(), v[skip:].clone()) for k, v in raw]
@@ -324,6 +473,15 @@ class PolicyReference:
         while len(self._canonical) > self.cache_size:
             self._canonical.popitem(last=False)
         return kv
+
+    @staticmethod
+    def canonical_key(
+        tokens: Sequence[int], dummies: bool = False, anchor: Sequence[int] = ()
+    ) -> tuple:
+        """A chunk's canonical identity: its tokens (and how it was compiled). With an anchor the
+        identity holds the anchor's tokens (the engine would key by their hash)."""
+        key: tuple = (tuple(tokens), dummies)
+        return key + (tuple(int(t) for t in anchor),) if anchor else key
 
     @property
     def _num_layers(self) -> int:
@@ -339,6 +497,8 @@ class PolicyReference:
         canon: list[tuple[torch.Tensor, torch.Tensor]] | None,
         past: PromptState | None = None,
         select: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        probe: _Probe | None = None,
+        ape: _Ape | None = None,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
         """Run the stack over ``tokens`` at logical positions ``pos``, after ``past``'s tokens.
 
@@ -374,7 +534,7 @@ class PolicyReference:
                 keys = torch.cat([past.keys[i], kr])
                 vals = torch.cat([past.values[i], vals])
                 kpos = torch.arange(len(keys))
-            out = self._attend(q, pos[rows], keys, vals, kpos)
+            out = self._attend(q, pos[rows], keys, vals, kpos, probe, ape)
             hr = h[rows] + attn.o_proj(out.to(h.dtype))
             hr = hr + layer.mlp(layer.post_attention_layernorm(hr))
             if r == n:
@@ -438,7 +598,10 @@ class PolicyReference:
 
     @torch.inference_mode()
     def prefill(self, segments: Sequence[Segment], policy: str) -> PromptState:
-        """The request's prompt under ``policy``: KV of every token and next-token log-probs."""
+        """The request's prompt under ``policy`` (a policy or a variant, :func:`parse_variant`):
+        KV of every token and next-token log-probs."""
+        if is_variant(policy):
+            return self._prefill_variant(segments, parse_variant(policy))
         kind, arg = parse_policy(policy)
         if not segments or segments[-1].kind is not SegmentKind.PROMPT:
             raise ValueError("the request must end with a prompt segment (the question)")
@@ -483,6 +646,154 @@ class PolicyReference:
             recomputed=recomputed,
             chunk_tokens=chunk_total,
             prompt_tokens=n,
+        )
+
+    # -- variants (issue 65) ------------------------------------------------------------------
+
+    def anchor_tokens(self, segments: Sequence[Segment], anchor: str | None) -> tuple[int, ...]:
+        """The compile anchor of a request's chunks: none, the prompt before its first chunk, or
+        ``fixed_anchor``."""
+        if anchor is None:
+            return ()
+        if anchor == "fixed":
+            if self.fixed_anchor is None:
+                raise ValueError("anchor=fixed needs fixed_anchor (the anchor's token ids)")
+            return self.fixed_anchor
+        lead: list[int] = []
+        for seg in segments:
+            if seg.kind is SegmentKind.CHUNK:
+                break
+            lead += seg.token_ids
+        return tuple(lead)
+
+    def canonical_parts(
+        self, segments: Sequence[Segment], policy: str
+    ) -> list[tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]] | None]:
+        """Per segment, (identity, canonical per-layer (K, V)) of each chunk a variant reads
+        canonical KV of; None for prompts and chunks entirely private. The KV is the cache's own
+        entry: the same object for every request with that identity."""
+        v = parse_variant(policy)
+        anchor = self.anchor_tokens(segments, v.anchor)
+        out: list[tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]] | None] = []
+        for seg in segments:
+            if seg.kind is SegmentKind.CHUNK and len(seg.token_ids) > v.k:
+                key = self.canonical_key(seg.token_ids, anchor=anchor)
+                out.append((key, self.canonical_kv(seg.token_ids, anchor=anchor)))
+            else:
+                out.append(None)
+        return out
+
+    @torch.inference_mode()
+    def question_attention(
+        self, segments: Sequence[Segment], anchor: str | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """The probe pass: (per-token mean attention probability [N] from the question rows,
+        prompt rows computed beyond the leading prefix).
+
+        The request runs over its naive assembly (every chunk token canonical, compiled after
+        ``anchor``; prompt tokens fresh); the question rows are the trailing prompt segment, and
+        their attention is averaged over layers, query heads and rows. The leading prefix's KV
+        does not depend on the chunks, so only the prompt rows after the first chunk are the
+        probe's own cost. One request's result is kept (variants of a request share it).
+        """
+        tokens = torch.tensor([t for s in segments for t in s.token_ids])
+        anchor_ids = self.anchor_tokens(segments, anchor)
+        key = (tuple(tokens.tolist()), tuple(s.kind for s in segments), anchor_ids)
+        hit = self._probe_cache.get(key)
+        if hit is not None:
+            return hit
+        n = len(tokens)
+        fresh = torch.ones(n, dtype=torch.bool)
+        parts: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = []
+        offset, first_chunk = 0, None
+        for seg in segments:
+            L = len(seg.token_ids)
+            part = None
+            if seg.kind is SegmentKind.CHUNK:
+                fresh[offset : offset + L] = False
+                part = self.canonical_kv(seg.token_ids, anchor=anchor_ids)
+                first_chunk = offset if first_chunk is None else first_chunk
+            parts.append(part)
+            offset += L
+        q_from = n - len(segments[-1].token_ids)
+        probe = _Probe(n, q_from)
+        pos = torch.arange(n)
+        self._layers(tokens, pos, fresh.nonzero().squeeze(1), self._assemble(segments, parts),
+                     probe=probe)  # fmt: skip
+        scores = probe.total / (self._num_layers * self.heads * (n - q_from))
+        extra = 0 if first_chunk is None else int(fresh[first_chunk:].sum())
+        self._probe_cache.clear()
+        self._probe_cache[key] = (scores, extra)
+        return scores, extra
+
+    def _variant_offsets(
+        self, v: Variant, tokens: tuple[int, ...], scores: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Chunk-relative private offsets of a variant (None: the whole chunk is private)."""
+        n = len(tokens)
+        if v.k == 0:
+            return torch.arange(0)
+        if n <= v.k:
+            return None
+        if v.pick is None:
+            return torch.arange(v.k)
+        assert scores is not None
+        chosen = _top(scores[v.pick :], v.k - v.pick) + v.pick
+        return torch.sort(torch.cat([torch.arange(v.pick), chosen])).values
+
+    def _prefill_variant(self, segments: Sequence[Segment], v: Variant) -> PromptState:
+        """A variant's prompt: private chunk tokens fresh at every layer, the others read from
+        the chunk's canonical entry (compiled after the variant's anchor)."""
+        if not segments or segments[-1].kind is not SegmentKind.PROMPT:
+            raise ValueError("the request must end with a prompt segment (the question)")
+        if any(not s.token_ids for s in segments):
+            raise ValueError("segments must be non-empty")
+        tokens = torch.tensor([t for s in segments for t in s.token_ids])
+        n = len(tokens)
+        pos = torch.arange(n)
+        anchor = self.anchor_tokens(segments, v.anchor)
+        scores, probe_tokens = None, 0
+        needs_probe = v.pick is not None and any(
+            s.kind is SegmentKind.CHUNK and len(s.token_ids) > v.k for s in segments
+        )
+        if needs_probe:
+            scores, probe_tokens = self.question_attention(segments, v.anchor)
+        fresh = torch.ones(n, dtype=torch.bool)
+        chunk_rows = torch.zeros(n, dtype=torch.bool)
+        parts: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = []
+        offset, runs = 0, 0
+        for seg in segments:
+            L = len(seg.token_ids)
+            part = None
+            if seg.kind is SegmentKind.CHUNK:
+                chunk_rows[offset : offset + L] = True
+                local = None if scores is None else scores[offset : offset + L]
+                offs = self._variant_offsets(v, seg.token_ids, local)
+                if offs is not None:
+                    fresh[offset : offset + L] = False
+                    fresh[offset + offs] = True
+                    part = self.canonical_kv(seg.token_ids, anchor=anchor)
+                    canon = ~fresh[offset : offset + L]
+                    runs += int(canon[0]) + int((canon[1:] & ~canon[:-1]).sum())
+            parts.append(part)
+            offset += L
+        ape = None
+        if v.temperature != 1.0 or v.lse_scale != 1.0:
+            last_chunk_end = int(chunk_rows.nonzero().max()) + 1 if bool(chunk_rows.any()) else n
+            ape = _Ape(v.temperature, v.lse_scale, chunk_rows, last_chunk_end)
+        h, raw, rotated = self._layers(
+            tokens, pos, fresh.nonzero().squeeze(1), self._assemble(segments, parts), ape=ape
+        )
+        logits = self.model.lm_head(h[-1:]).double()
+        return PromptState(
+            keys=tuple(rotated),
+            values=tuple(val.double() for _, val in raw),
+            next_logprobs=torch.log_softmax(logits[0], dim=-1),
+            recomputed=int((fresh & chunk_rows).sum()),
+            chunk_tokens=int(chunk_rows.sum()),
+            prompt_tokens=n,
+            probe_tokens=probe_tokens,
+            canonical_runs=runs,
         )
 
     def _cacheblend(

@@ -351,6 +351,14 @@ def add_parser(sub: Any) -> None:
     from ascend_mepic.eval.bench.fidelity import add_arguments as add_fidelity_arguments
 
     add_fidelity_arguments(fid)
+    fref = bsub.add_parser(
+        "fidelity-ref",
+        help="PIC variants on the same requests in the transformers reference (no engine): KL, "
+        "top-1, F1 with paired intervals vs the default, private tokens and blocks",
+    )
+    from ascend_mepic.eval.bench.fidelity_ref import add_arguments as add_fidelity_ref_arguments
+
+    add_fidelity_ref_arguments(fref)
     from ascend_mepic.eval.bench.simulate import add_parsers as add_simulate_parsers
 
     add_simulate_parsers(bsub)
