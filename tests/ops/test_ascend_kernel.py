@@ -137,7 +137,7 @@ def test_the_planner_takes_the_largest_tiles_under_the_budget():
 
 def test_gptj_decode_at_head_256_is_the_one_over_the_budget():
     """The one shape whose smallest tiles the model puts over 85%: GPT-J rotation, decode, head
-    256 (the compiler places 74% in float16, 99.8% in float32); everything else fits."""
+    256 (the compiler places 78% in float16, 86.6% in float32); everything else fits."""
     over = [(decode, neox, head) for decode in (False, True) for neox in (True, False)
             for head in (64, 80, 96, 128, 256)
             if asc.ub_bytes(16, 16, head, decode=decode, neox=neox) > asc.UB_BUDGET]  # fmt: skip
