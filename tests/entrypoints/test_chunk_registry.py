@@ -179,9 +179,9 @@ def _app() -> tuple[FastAPI, list[tuple[str, tuple[int, ...]]]]:
     service.engine_client = type("Engine", (), {"model_config": _Model()})()
     controls: list[tuple[str, tuple[int, ...]]] = []
 
-    async def control(token_ids, salt, key) -> None:
+    async def control(chunk, key) -> None:
         await asyncio.sleep(0)
-        controls.append(({PIN_KEY: "pin", UNPIN_KEY: "unpin"}[key], tuple(token_ids)))
+        controls.append(({PIN_KEY: "pin", UNPIN_KEY: "unpin"}[key], tuple(chunk.token_ids)))
 
     service._control = control
     app = FastAPI()
