@@ -379,10 +379,12 @@ def test_chunk_api_round_trip(client):
         json={"messages": [{"role": "user", "content": f"{ref} Summarize."}], "max_tokens": 2},
     )
     assert r.status_code == 200, r.text
-    # The reference reused the pinned chunk's blocks: the same shared blocks as a marked request.
+    # A marked request with the same prefix reads the same pinned chunk (its blocks may have
+    # moved since ref-1: an idle chunk used again may be placed anew next to the chunks in use).
+    hits = fresh_stats(client)["metrics"]["chunk_hits"]
     assert complete(client, marked(doc), request_id="ref-2").status_code == 200
     stats = fresh_stats(client)
-    assert chunk_blocks(stats, "ref-1")[0][1:] == chunk_blocks(stats, "ref-2")[0][1:]
+    assert stats["metrics"]["chunk_hits"] == hits + 1
 
     # Registered twice (two holders): the first delete keeps it, the last one removes it.
     first = client.delete(f"/v1/chunks/{chunk['id']}").json()
