@@ -330,20 +330,33 @@ def _ttadapter_of(launch: asc.Launch) -> tuple[str, dict]:
     return _ttadapter[launch_key(launch.kernel, launch.args, launch.kwargs)]
 
 
+OVERFLOW_TRIES = 4
+
+
 def test_an_oversized_tile_overflows_ub():
     """The control: the stage can fail. Head 256 prefill with 32 rows x 128 keys passes ttir and
-    ttadapter, and bishengir-compile refuses it for overflowing the unified buffer."""
+    ttadapter, and bishengir-compile refuses it for overflowing the unified buffer.
+
+    The compiler's message for this refusal varies from run to run (measured on 20 runs: the
+    ``ub overflow, requires N bits`` figure, only its retry note, or about 1 in 7 a bare
+    ``Failed to run BiShengHIR pipeline``), so it runs up to ``OVERFLOW_TRIES`` times: every run
+    must fail, and one must name the unified buffer."""
     query, kv, meta, rope, scale = _batch(Config(256, torch.float16, 1, False))
     plan = asc.plan_launches(query, kv, meta, rope, scale, kernel="prefill", cores=CORES,
                              block_q=32, block_n=128, half_dots=True)  # fmt: skip
     ttadapter, metadata = _ttadapter_of(plan.launches[1])
     text, _ = hivm.strip_mix_mode(ttadapter)
-    with pytest.raises(hivm.HivmError) as err:
-        hivm.run_compiler(text, metadata, "Ascend910B3")
-    found = hivm.ub_overflow(err.value)
-    assert found, str(err.value)[-2000:]
-    required, available = found
-    assert required == available == 0 or required > available == 192 * 1024 * 8
+    outputs = []
+    for _ in range(OVERFLOW_TRIES):
+        with pytest.raises(hivm.HivmError) as err:
+            hivm.run_compiler(text, metadata, "Ascend910B3")
+        found = hivm.ub_overflow(err.value)
+        if found:
+            required, available = found
+            assert required == available == 0 or required > available == 192 * 1024 * 8
+            return
+        outputs.append(str(err.value)[-1500:])
+    raise AssertionError("no run named the unified buffer:\n" + "\n---\n".join(outputs))
 
 
 def _small_launches() -> list[asc.Launch]:
