@@ -1,5 +1,5 @@
 """The triton-ascend kernel through triton-ascend's own compiler (``ttir`` and ``ttadapter``),
-then BiSheng IR's ``bishengir-compile`` to the final HIVM IR for Ascend910B2 and B3, with the
+then BiSheng IR's ``bishengir-compile`` to the final HIVM IR for Ascend910B3, with the
 unified buffer (UB) and L1 each launch is planned to use.
 
 The interpreter tests (``test_ascend_kernel.py``) run the kernels' Python and never compile it;
@@ -12,8 +12,9 @@ or the model's dtype, at vllm-ascend's block size 128. The set is a covering set
 done once. The doctor's self-test launches are compiled too.
 
 The HIVM stage (``tests/ops/ascend_hivm.py``) runs as triton-ascend 3.2.0's backend invokes
-it; every distinct launch is compiled once per target, in ``ASCEND_HIVM_JOBS`` (default 2)
-processes started as soon as its ``.ttadapter`` exists, so they overlap the Python stages.
+it; every distinct launch is compiled once, for 910B3, in ``ASCEND_HIVM_JOBS`` (default 2)
+processes started as soon as its ``.ttadapter`` exists, so they overlap the Python stages. 910B1,
+B2 and B4 are compiled for two launches: their HIVM is B3's but for the core counts.
 ``make test-ascend-compile`` prints the per-launch table (``test_hivm_table``).
 
 Needs triton-ascend (``make test-ascend`` runs it, without ``TRITON_INTERPRET``); skipped elsewhere.
@@ -170,8 +171,8 @@ def compile_once(launch: asc.Launch, label: str = "") -> str | None:
             ir, metadata = compile_stages(launch.kernel, launch.args, launch.kwargs)
             _compiled[key] = None
             _ttadapter[key] = (ir["ttadapter"], metadata)
-            _hivm[key] = {arch: _pool.submit(hivm.compile_hivm, ir["ttadapter"], metadata, arch)
-                          for arch in hivm.ARCHS}  # fmt: skip
+            _hivm[key] = {hivm.ARCH: _pool.submit(hivm.compile_hivm, ir["ttadapter"], metadata,
+                                                  hivm.ARCH)}  # fmt: skip
         except Exception as exc:  # the compiler's error, reported with its configuration
             _compiled[key] = error_text(exc)
     return _compiled[key]
@@ -252,7 +253,7 @@ def hivm_reports() -> dict[str, dict[str, hivm.HivmReport | str]]:
 
 
 def test_every_launch_reaches_the_final_hivm():
-    """bishengir-compile takes every launch, for each target, to the final HIVM IR with no error
+    """bishengir-compile takes every launch, for 910B3, to the final HIVM IR with no error
     but the missing hivmc; what it placed fits the target's UB and L1 (it checks that itself),
     and the placements read from the HIVM are the compiler's own records."""
     reports = hivm_reports()
@@ -303,25 +304,21 @@ def test_every_launch_is_under_the_ub_budget():
 
 
 def test_hivm_table():
-    """Per launch: the compiler's planned UB and L1 (bytes, % of the target's) for B2 and B3,
-    beside the planner's estimate; printed with -s (``make test-ascend-compile``)."""
+    """Per launch: the compiler's planned UB and L1 (bytes, % of the target's) for B3 (B2's are
+    the same), beside the planner's estimate; printed with -s (``make test-ascend-compile``)."""
     reports = hivm_reports()
-    lines = [f"{'launch':44} {'kernel':15} {'mix':3} {'UB B2':>13} {'UB B3':>13} "
-             f"{'L1 B2':>12} {'L1 B3':>12} {'estimate':>9}"]  # fmt: skip
+    lines = [f"{'launch':44} {'kernel':15} {'mix':3} {'UB':>13} {'L1':>12} {'estimate':>9}"]
     for key in sorted(reports, key=lambda k: _labels[k]):
         label, kernel = _labels[key]
         per = reports[key]
         cells = []
+        r = per[hivm.ARCH]
+        assert isinstance(r, hivm.HivmReport)
         for space in ("ub", "cbuf"):
-            for arch in hivm.ARCHS:
-                r = per[arch]
-                assert isinstance(r, hivm.HivmReport)
-                used = r.used.get(space, 0)
-                cells.append(f"{used:>7} {100 * r.fraction(space):4.1f}%")
+            cells.append(f"{r.used.get(space, 0):>7} {100 * r.fraction(space):4.1f}%")
         est = _estimate(label, kernel)
-        mix = per[hivm.ARCHS[0]].mix_mode  # type: ignore[union-attr]
-        lines.append(f"{label:44} {kernel:15} {mix:3} {cells[0]:>13} {cells[1]:>13} "
-                     f"{cells[2]:>12} {cells[3]:>12} {est if est else '':>9}")  # fmt: skip
+        lines.append(f"{label:44} {kernel:15} {r.mix_mode:3} {cells[0]:>13} {cells[1]:>12} "
+                     f"{est if est else '':>9}")  # fmt: skip
     print("\n".join(lines))
 
 
@@ -377,17 +374,17 @@ def test_memory_display_does_not_change_the_hivm():
         assert with_display.display and with_display.hivm == without.hivm
 
 
-def test_b1_and_b4_plan_as_b2_and_b3():
-    """910B1 and B4 are not compiled for every launch: their target specs differ from B2's and
-    B3's only in the core counts, and their final HIVM equals B2's and B3's but for that line."""
+def test_other_910b_targets_plan_as_b3():
+    """910B1, B2 and B4 are not compiled for every launch: their target specs differ from B3's
+    only in the core counts, and their final HIVM equals B3's but for that line."""
     for launch in _small_launches():
         text, _ = hivm.strip_mix_mode(_ttadapter_of(launch)[0])
         metadata = _ttadapter_of(launch)[1]
-        for same, arch in (("Ascend910B2", "Ascend910B1"), ("Ascend910B3", "Ascend910B4")):
-            a = hivm.run_compiler(text, metadata, same, display=False).hivm.splitlines()
+        a = hivm.run_compiler(text, metadata, hivm.ARCH, display=False).hivm.splitlines()
+        for arch in hivm.SAME_AS_ARCH:
             b = hivm.run_compiler(text, metadata, arch, display=False).hivm.splitlines()
             differ = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
-            assert len(differ) <= 1 and all("CORE_COUNT" in a[i] for i in differ), (same, arch)
+            assert len(differ) <= 1 and all("CORE_COUNT" in a[i] for i in differ), arch
             spec_a, spec_b = hivm.capacities("\n".join(a)), hivm.capacities("\n".join(b))
             assert spec_a == spec_b
 
