@@ -52,7 +52,9 @@ def _ids(seed: int, n: int, vocab: int) -> tuple[int, ...]:
 
 
 def _requests(vocab: int) -> dict[str, list[Segment]]:
-    """Two chunks held by two requests at different positions (and a third, chunk-free)."""
+    """Two chunks held by two requests at different positions, after the same prefix ``p``: the
+    default anchored compiles (``chunk_anchor: prefix``) share a chunk between requests with the
+    same prefix."""
     # Sizes keep what the checks need, no more (the kernel is interpreted, tile by tile): c1
     # spans two blocks of 128, c2 is past MEPIC's 16 recomputed tokens, so both are cached.
     c1, c2 = _ids(1, 140, vocab), _ids(2, 40, vocab)
@@ -61,7 +63,7 @@ def _requests(vocab: int) -> dict[str, list[Segment]]:
     prompt = SegmentKind.PROMPT
     return {
         "a": [Segment(prompt, p), Segment(chunk, c1), Segment(chunk, c2), Segment(prompt, q1)],
-        "b": [Segment(prompt, q2), Segment(chunk, c2), Segment(chunk, c1), Segment(prompt, p)],
+        "b": [Segment(prompt, p), Segment(chunk, c2), Segment(chunk, c1), Segment(prompt, q2)],
     }
 
 
@@ -80,9 +82,7 @@ class EmulatedEngine:
 
         from ascend_mepic.offline import mepic_llm_kwargs
 
-        # a and b have other prefixes and share chunks: unanchored compiles, as the oracle.
-        anchor = {"chunk_anchor": "none"} if policy not in ("full",) else {}
-        kwargs = {**mepic_llm_kwargs(policy=policy, **anchor), "worker_cls": WORKER_CLS}
+        kwargs = {**mepic_llm_kwargs(policy=policy), "worker_cls": WORKER_CLS}
         assert kwargs["enforce_eager"] and kwargs["async_scheduling"] is False  # NPU defaults
         self.llm = LLM(
             model=model,
@@ -163,7 +163,6 @@ def _cpu_path(model: str, policy: str, reqs: dict[str, list[Segment]]) -> list[l
         "model": model,
         "mepic": True,
         "policy": policy,
-        "options": {"chunk_anchor": "none"} if policy != "full" else {},  # as the NPU path's
         "block_size": BLOCK,
         "max_model_len": 1024,
         "max_tokens": MAX_TOKENS,
@@ -250,7 +249,7 @@ def test_torch_npu_composition_bf16_matches_the_mepic_oracle(
     _check_chunks_shared(before, after)
     oracle = MepicOracle(AutoModelForCausalLM.from_pretrained(head128_model, dtype=torch.float32))
     for req, out in zip([reqs["a"], reqs["b"]], [cold_a, warm_b], strict=True):
-        want = oracle.next_token_logprobs(req, first_k(16))
+        want = oracle.next_token_logprobs(req, first_k(16), anchor=tuple(req[0].token_ids))
         first = out["logprobs"][0]
         for token, logprob in first.items():
             assert abs(want[token].item() - logprob) < BF16_LOGPROB_TOL, (token, logprob)
