@@ -8,6 +8,8 @@ bfloat16``: weights, activations and KV cache in bfloat16, the dtype models are 
   requests with the same paragraphs in another order and another question (RAG traffic: the same
   passages retrieved for different questions, at different positions). MEPIC can reuse every
   paragraph, prefix caching only the shared system prompt, full recompute nothing.
+* Warm-up TTFT: the same over the warm-up pass, whose requests compile the chunks (MEPIC) the
+  first time each paragraph is seen: what a chunk's first use costs.
 * Decode: tokens/s of a warm batch, (time for ``--decode-tokens`` tokens - time for 1 token),
   the median of ``--decode-rounds`` rounds,
   MEPIC (RoPE applied to K at read time, its native CPU kernel by default) vs stock vLLM
@@ -34,6 +36,8 @@ CONFIGS = {
     "full": {"mepic": False, "prefix": False},
     "prefix": {"mepic": False, "prefix": True},
     "mepic": {"mepic": True, "prefix": True},
+    # the compile without an anchor (issue 65's earlier default): what the anchor costs
+    "mepic-unanchored": {"mepic": True, "prefix": True, "options": {"chunk_anchor": "none"}},
 }
 
 
@@ -61,7 +65,10 @@ def worker(job: dict) -> dict:
         reqs.append(tokenize(pieces))
         other = ("prompt", "Question: Which documents mention a date?\nAnswer:")
         warm.append(tokenize([system, *reversed(paragraphs), other]))
-    kwargs = mepic_llm_kwargs() if job["mepic"] else {"enable_prefix_caching": job["prefix"]}
+    options = job.get("options", {})
+    kwargs = (
+        mepic_llm_kwargs(**options) if job["mepic"] else {"enable_prefix_caching": job["prefix"]}
+    )
     llm = LLM(
         model=job["model"],
         dtype=job.get("dtype", "float32"),
@@ -98,8 +105,8 @@ def measure(generate: Callable[[list, list], Sequence], reqs: list, warm: list, 
         prompt, sp = prompt_of(segs, params)
         return timed_generate(generate, [prompt], [sp], f"{label}: {what}")[1]
 
-    for i, segs in enumerate(warm):  # warm-up: same paragraphs, other order and question
-        run(segs, one, f"warm-up request {i}")
+    # warm-up: same paragraphs, other order and question; its first requests compile the chunks
+    cold = [run(segs, one, f"warm-up request {i}") for i, segs in enumerate(warm)]
     ttft = [run(segs, one, f"TTFT request {i}") for i, segs in enumerate(reqs)]
     decode_params = SamplingParams(
         temperature=0.0, max_tokens=job["decode_tokens"], ignore_eos=True
@@ -120,6 +127,7 @@ def measure(generate: Callable[[list, list], Sequence], reqs: list, warm: list, 
         rates.append(positive(tokens / elapsed, f"{what}: decode tok/s ({tokens} tokens)"))
     return {
         "ttft_mean_s": statistics.mean(ttft),
+        "cold_ttft_mean_s": statistics.mean(cold),
         "ttft_p50_s": statistics.median(ttft),
         "prompt_tokens_mean": statistics.mean(sum(len(s.token_ids) for s in r) for r in reqs),
         "decode_tok_s": statistics.median(rates),
@@ -133,12 +141,15 @@ def table_row(k: int, rep: int, name: str, r: dict, ref: dict) -> str:
     what = f"{k} paragraphs, repeat {rep + 1}"
     ttft_mean = positive(r["ttft_mean_s"], f"{what}, {name}: TTFT mean (s)")
     ttft_p50 = positive(r["ttft_p50_s"], f"{what}, {name}: TTFT p50 (s)")
+    cold = positive(r["cold_ttft_mean_s"], f"{what}, {name}: warm-up TTFT mean (s)")
+    ref_cold = positive(ref["cold_ttft_mean_s"], f"{what}, base: warm-up TTFT mean (s)")
     decode = positive(r["decode_tok_s"], f"{what}, {name}: decode tok/s")
     ref_ttft = positive(ref["ttft_mean_s"], f"{what}, base: TTFT mean (s)")
     ref_decode = positive(ref["decode_tok_s"], f"{what}, base: decode tok/s")
     return (
         f"| {k} | {rep + 1} | {name} | {r['prompt_tokens_mean']:.0f} | "
         f"{ttft_mean * 1e3:.1f} | {ttft_p50 * 1e3:.1f} | {ttft_mean / ref_ttft:.2f}x | "
+        f"{cold * 1e3:.1f} | {cold / ref_cold:.2f}x | "
         f"{decode:.1f} | {decode / ref_decode:.2f}x |"
     )
 
@@ -184,9 +195,10 @@ def main() -> None:
     base = args.configs[0]
     print(
         "| paragraphs | repeat | config | prompt tokens | TTFT mean (ms) | TTFT p50 (ms) | "
-        f"TTFT vs {base} | decode tok/s | decode vs {base} |"
+        f"TTFT vs {base} | warm-up TTFT mean (ms) | warm-up vs {base} | decode tok/s | "
+        f"decode vs {base} |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for k in args.chunks:
         ratios: dict[str, list[float]] = {name: [] for name in args.configs}
         for rep in range(args.repeats):
