@@ -250,6 +250,15 @@ class _Ape:
         scores[:, rows, :] = torch.where(ck, zc + (self.lse_scale - 1.0) * lse, z)
 
 
+def _request_tokens(segments: Sequence[Segment]) -> torch.Tensor:
+    """The request's tokens, after the checks every policy's prefill needs."""
+    if not segments or segments[-1].kind is not SegmentKind.PROMPT:
+        raise ValueError("the request must end with a prompt segment (the question)")
+    if any(not s.token_ids for s in segments):
+        raise ValueError("segments must be non-empty")
+    return torch.tensor([t for s in segments for t in s.token_ids])
+
+
 def _top(scores: torch.Tensor, count: int) -> torch.Tensor:
     """Indices of the ``count`` highest scores, ties to the lower index (stable sort)."""
     order = torch.sort(-scores.double(), stable=True).indices
@@ -603,11 +612,7 @@ class PolicyReference:
         if is_variant(policy):
             return self._prefill_variant(segments, parse_variant(policy))
         kind, arg = parse_policy(policy)
-        if not segments or segments[-1].kind is not SegmentKind.PROMPT:
-            raise ValueError("the request must end with a prompt segment (the question)")
-        if any(not s.token_ids for s in segments):
-            raise ValueError("segments must be non-empty")
-        tokens = torch.tensor([t for s in segments for t in s.token_ids])
+        tokens = _request_tokens(segments)
         n = len(tokens)
         pos = torch.arange(n)
         fresh = torch.ones(n, dtype=torch.bool)
@@ -744,11 +749,7 @@ class PolicyReference:
     def _prefill_variant(self, segments: Sequence[Segment], v: Variant) -> PromptState:
         """A variant's prompt: private chunk tokens fresh at every layer, the others read from
         the chunk's canonical entry (compiled after the variant's anchor)."""
-        if not segments or segments[-1].kind is not SegmentKind.PROMPT:
-            raise ValueError("the request must end with a prompt segment (the question)")
-        if any(not s.token_ids for s in segments):
-            raise ValueError("segments must be non-empty")
-        tokens = torch.tensor([t for s in segments for t in s.token_ids])
+        tokens = _request_tokens(segments)
         n = len(tokens)
         pos = torch.arange(n)
         anchor = self.anchor_tokens(segments, v.anchor)
