@@ -248,13 +248,14 @@ def ids(seed: int, n: int, vocab: int) -> list[int]:
 def requests(model: str) -> dict[str, list]:
     """Two chunks (150 and 70 tokens: each more than MEPIC's 16 in-context tokens, so each has
     shared blocks at block sizes 16 and 128) held by ``a`` and ``b`` at different positions and
-    in the other order; ``c`` is a plain prompt."""
+    in the other order, after the same prefix ``p``: the default anchored compiles (``chunk_anchor:
+    prefix``) share a chunk between requests with the same prefix. ``c`` is a plain prompt."""
     v = vocab_size(model)
     c1, c2 = ids(1, 150, v), ids(2, 70, v)
     p, q1, q2 = ids(3, 9, v), ids(4, 11, v), ids(5, 23, v)
     return {
         "a": [["prompt", p], ["chunk", c1], ["chunk", c2], ["prompt", q1]],
-        "b": [["prompt", q2], ["chunk", c2], ["chunk", c1], ["prompt", p]],
+        "b": [["prompt", p], ["chunk", c2], ["chunk", c1], ["prompt", q2]],
         "c": [["prompt", ids(6, 40, v)]],
     }
 
@@ -312,7 +313,6 @@ def _mepic_run(case: tuple, model: str) -> dict[str, Any]:
     reqs = requests(model)
     job = {"model": model, "dtype": dtype, "graphs": graphs, "block_size": block_size,
            "mepic": True, "policy": "mepic", "max_tokens": MAX_TOKENS,
-           "options": {"chunk_anchor": "none"},  # a, b: other prefixes, chunks shared
            "batches": [[reqs["a"]], [reqs["b"], reqs["a"]], [reqs["b"]]],
            "reset_before": [2]}  # fmt: skip
     return {"model": model, **run_engine(job)}
@@ -338,7 +338,7 @@ def test_shared_chunks_give_cache_state_independent_outputs(case, models, gpu_de
 def test_mepic_matches_the_transformers_oracle(case, models, gpu_device):
     """float32: the first token's log-probs of ``a`` (cold) and ``b`` (warm) are those of a
     float64 transformers implementation of MEPIC's semantics (each chunk's first 16 tokens in
-    context, the rest from the chunk computed alone)."""
+    context, the rest from the chunk computed alone after the anchor, the request's prefix)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -352,7 +352,7 @@ def test_mepic_matches_the_transformers_oracle(case, models, gpu_device):
     (cold_a,), (warm_b, _), _ = run["batches"]
     for name, out in (("a", cold_a), ("b", warm_b)):
         segs = [Segment.chunk(x) if k == "chunk" else Segment.prompt(x) for k, x in reqs[name]]
-        want = oracle.next_token_logprobs(segs, first_k(16))
+        want = oracle.next_token_logprobs(segs, first_k(16), anchor=tuple(segs[0].token_ids))
         for token, logprob in out["logprobs"][0].items():
             assert abs(want[int(token)].item() - logprob) < ORACLE_TOL, (name, token, logprob)
         # The check has teeth: full recompute's log-probs differ by far more (~0.3 nats here).
