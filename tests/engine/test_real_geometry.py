@@ -57,7 +57,7 @@ MAX_TOKENS = 4
 # Room for B's block table at block 128 (MEPIC pads chunks to blocks: more slots than tokens).
 MAX_MODEL_LEN = 2048
 # 16,384-32,768 tokens of KV by model (2 layers, 1-2 KV heads of 128, float32), 8-16 times
-# MAX_MODEL_LEN: each of the 28 engines zeroes its cache at start-up, 0.5 s for the hosts' 1 GiB.
+# MAX_MODEL_LEN: each of the 19 engines zeroes its cache at start-up, 0.5 s for the hosts' 1 GiB.
 KV_CACHE_BYTES = 64 * 2**20
 LOGPROBS = 5
 
