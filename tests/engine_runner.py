@@ -12,7 +12,8 @@ Job: {"model", "mepic": bool, "policy": str|null, "dtype" (float32), "block_size
 [[{"segments": [[kind, [ids...]], ...], "salt": str|null}, ...], ...], "max_tokens",
 "logprobs", "options" (MEPIC options), "reset_between_batches", "reset_before" (batch indices),
 "tensor_parallel_size", "kv_cache_bytes", "scheduler_cls" (a stock job's ``--scheduler-cls``),
-"refuse": [request, or {"raw": {"prompt_token_ids", "extra_args"}}], "chunk_digests": bool}.
+"refuse": [request, or {"raw": {"prompt_token_ids", "extra_args"}}], "chunk_digests": bool,
+"speculative_config" (vLLM's), "log_stats": bool (adds vLLM's ``spec_decode`` counters)}.
 With ``chunk_digests`` the result has, after each batch, every ready chunk's canonical blocks and
 a SHA-256 of its canonical KV bytes in every layer (``chunk_digests``: one
 ``{chunk id: [block ids, digest]}`` per batch; in-process engine only).
@@ -62,6 +63,10 @@ def build_llm(job: dict, LLM):
         options = {"policy": job["policy"]} if job.get("policy") else {}
         options.update(job.get("options", {}))
         kwargs.update(mepic_llm_kwargs(**options))
+    if job.get("speculative_config"):
+        kwargs["speculative_config"] = job["speculative_config"]
+    if job.get("log_stats"):
+        kwargs["disable_log_stats"] = False
     if job.get("kv_cache_bytes"):  # else VLLM_CPU_KVCACHE_SPACE's 1 GiB, zeroed at each start
         kwargs["kv_cache_memory_bytes"] = job["kv_cache_bytes"]
     return LLM(
@@ -130,6 +135,12 @@ def serve_job(job: dict, llm) -> dict:
     info = {"platform": current_platform.device_type, "refused": refused}
     if digests:
         info["chunk_digests"] = digests
+    if job.get("log_stats"):  # speculative decoding's counters (vLLM's own metrics)
+        info["spec_decode"] = {
+            m.name.removeprefix("vllm:spec_decode_"): m.value
+            for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")
+        }
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process engine only
     if job["mepic"] and core is not None:
         manager = core.scheduler.kv_cache_manager

@@ -140,3 +140,42 @@ def rewrite_positions_and_slots(
         slot_mapping[torch.from_numpy(rows).to(slot_mapping.device)] = torch.from_numpy(
             slots[rows]
         ).to(slot_mapping.device)
+
+
+def fix_cpu_rejection_kernels() -> list[str]:
+    """Point vLLM 0.30.0's rejection-sampling dispatchers at its own CPU kernels.
+
+    Why: without Triton, ``CPUModelRunner._postprocess_triton`` rebinds the module names
+    ``rejection_greedy_sample_kernel`` (and the three others) in ``vllm.v1.sample.
+    rejection_sampler`` to its C++ kernels, but the sampler calls them through dispatchers
+    (``_rejection_greedy_sample`` ...) that captured the Triton placeholders at import, so every
+    verification step of speculative decoding raised ``TypeError: Cannot inspect kernel
+    parameters``, MEPIC on or off. Rebinding each dispatcher's ``kernel`` fixes it; the C++
+    kernels take the dispatchers' argument names except ``expand``'s (``input_val``), adapted
+    here. Returns the dispatchers rebound (none where Triton is present)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:
+        return []
+    import vllm.utils.cpu_triton_utils as cpu_kernels
+    import vllm.v1.sample.rejection_sampler as sampler
+
+    def expand(output, input, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: A002, N803
+        return cpu_kernels.expand_kernel.func(
+            output, input, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS
+        )
+
+    kernels = {
+        "_rejection_greedy_sample": cpu_kernels.rejection_greedy_sample_kernel,
+        "_rejection_random_sample": cpu_kernels.rejection_random_sample_kernel,
+        "_sample_recovered_tokens": cpu_kernels.sample_recovered_tokens_kernel,
+        "_expand": type(cpu_kernels.expand_kernel)(expand),
+    }
+    fixed = []
+    for name, kernel in kernels.items():
+        dispatcher = getattr(sampler, name, None)
+        if dispatcher is not None and hasattr(dispatcher, "kernel"):
+            dispatcher.kernel = kernel
+            dispatcher.__dict__.pop("_kernel_arg_names", None)  # a cached_property
+            fixed.append(name)
+    return fixed

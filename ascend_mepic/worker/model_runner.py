@@ -29,6 +29,7 @@ from ascend_mepic.tier.worker_io import WorkerTier
 from ascend_mepic.vllm_integration import channel
 from ascend_mepic.vllm_integration.runner_internals import (
     STEP_NOT_PLACED,
+    fix_cpu_rejection_kernels,
     hand_step_tables,
     rewrite_positions_and_slots,
     step_token_inputs,
@@ -270,3 +271,10 @@ class MepicCPUModelRunner(MepicRunnerMixin, CPUModelRunner):
     def __init__(self, vllm_config, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         self._init_mepic(vllm_config)
+
+    def _postprocess_triton(self) -> None:
+        """vLLM's CPU kernel rebinding, and the rejection sampler's it misses (speculative
+        decoding; ``runner_internals.fix_cpu_rejection_kernels`` says why)."""
+        super()._postprocess_triton()
+        if self.speculative_config is not None:
+            fix_cpu_rejection_kernels()
