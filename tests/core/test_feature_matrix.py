@@ -143,3 +143,17 @@ def test_beam_search_and_prompt_logprobs_are_refused_for_chunk_requests():
     refused = "use_beam_search, prompt_logprobs cannot be used with MEPIC chunks"
     with pytest.raises(service.MepicRequestError, match=refused):
         service._raise_unsupported({"use_beam_search": True, "prompt_logprobs": True})
+
+
+def test_cpu_kv_offloading_is_a_kv_connector_and_refused(model):
+    c = config(model, kv_offloading_size=1.0)
+    assert c.kv_transfer_config is not None  # vLLM turns the size into its offloading connector
+    assert "KV connectors" in reasons(c)
+
+
+def test_async_scheduling_is_turned_off():
+    from ascend_mepic.vllm_integration.engine_config import turn_off_async_scheduling
+
+    c = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True))
+    turn_off_async_scheduling(c)
+    assert c.scheduler_config.async_scheduling is False
