@@ -68,11 +68,11 @@ class MepicRunnerMixin:
         )
         self._step_loaded = False  # this step's time includes tier loads (not a compute sample)
         # n-gram speculation looks drafts up in each MEPIC request's real prompt (every chunk
-        # token), not in the in-context stream vLLM's input batch holds: request id -> tokens.
+        # token), not in the in-context stream vLLM's input batch holds: request id -> (real
+        # prompt, in-context tokens).
         spec = vllm_config.speculative_config
-        self._lookup_prompts: dict[str, tuple[np.ndarray, int]] | None = (
-            {} if self.mepic_enabled and getattr(spec, "method", None) == "ngram" else None
-        )
+        if self.mepic_enabled and getattr(spec, "method", None) == "ngram":
+            self._lookup_prompts = {}
         if policy.dynamic:
             if not vllm_config.model_config.enforce_eager:
                 raise ValueError(f"policy {policy.name!r} needs enforce_eager=True")
@@ -87,6 +87,7 @@ class MepicRunnerMixin:
     def _init_placement_state(self) -> None:
         """The token maps of live sequences (a pool row each; see ``token_pool``)."""
         self._token_pool = TokenMapPool(self.mepic_block_size)
+        self._lookup_prompts: dict[str, tuple[np.ndarray, int]] | None = None
 
     def mepic_kv_buffers(self) -> list[torch.Tensor]:
         """Per-layer KV as ``tier.transfer`` reads it: logical ``[num_blocks, 2, B, Hkv, D]``
@@ -155,7 +156,7 @@ class MepicRunnerMixin:
         Drafts never change greedy outputs, only how many tokens each verification accepts."""
         prompts = self._lookup_prompts
         batch = self.input_batch
-        req_ids = batch.req_ids
+        req_ids = batch.req_ids[: len(sampled_token_ids)]  # the step's rows, in order
         if not prompts or not any(r in prompts for r in req_ids):
             return super().propose_draft_token_ids(
                 scheduler_output, sampled_token_ids, *args, **kwargs
