@@ -32,6 +32,7 @@ from ascend_mepic.vllm_integration.runner_internals import (
     STEP_NOT_PLACED,
     fix_cpu_rejection_kernels,
     hand_step_tables,
+    quiet_numba_threads,
     rewrite_positions_and_slots,
     step_token_inputs,
     widen_block_table,
@@ -312,6 +313,8 @@ class MepicWorkerMixin:
 
 class MepicCPUModelRunner(MepicRunnerMixin, CPUModelRunner):
     def __init__(self, vllm_config, device: torch.device) -> None:
+        if getattr(vllm_config.speculative_config, "method", None) == "ngram":
+            quiet_numba_threads()
         super().__init__(vllm_config, device)
         self._init_mepic(vllm_config)
 
