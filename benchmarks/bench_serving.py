@@ -10,6 +10,9 @@ bfloat16``: weights, activations and KV cache in bfloat16, the dtype models are 
   paragraph, prefix caching only the shared system prompt, full recompute nothing.
 * Warm-up TTFT: the same over the warm-up pass, whose requests compile the chunks (MEPIC) the
   first time each paragraph is seen: what a chunk's first use costs.
+* Speculation (``mepic-ngram``): vLLM's n-gram drafting on MEPIC; its acceptance rate is
+  printed under the table (``--configs mepic mepic-ngram`` puts decode with and without it
+  side by side).
 * Decode: tokens/s of a warm batch, (time for ``--decode-tokens`` tokens - time for 1 token),
   the median of ``--decode-rounds`` rounds,
   MEPIC (RoPE applied to K at read time, its native CPU kernel by default) vs stock vLLM
@@ -32,12 +35,16 @@ from collections.abc import Callable, Sequence
 from ascend_mepic.entrypoints.streams import print_data_only
 from ascend_mepic.eval.outputs import failures_reported, positive, timed_generate
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}  # fmt: skip
 CONFIGS = {
     "full": {"mepic": False, "prefix": False},
     "prefix": {"mepic": False, "prefix": True},
     "mepic": {"mepic": True, "prefix": True},
     # the compile without an anchor (issue 65's earlier default): what the anchor costs
     "mepic-unanchored": {"mepic": True, "prefix": True, "options": {"chunk_anchor": "none"}},
+    # n-gram (prompt lookup) speculation on MEPIC: answers copy spans of the cached paragraphs
+    "mepic-ngram": {"mepic": True, "prefix": True, "speculative": NGRAM},
 }
 
 
@@ -69,6 +76,8 @@ def worker(job: dict) -> dict:
     kwargs = (
         mepic_llm_kwargs(**options) if job["mepic"] else {"enable_prefix_caching": job["prefix"]}
     )
+    if job.get("speculative"):  # vLLM's counters of drafted and accepted tokens need its stats
+        kwargs.update(speculative_config=job["speculative"], disable_log_stats=False)
     llm = LLM(
         model=job["model"],
         dtype=job.get("dtype", "float32"),
@@ -82,7 +91,33 @@ def worker(job: dict) -> dict:
     def generate(prompts, params):
         return llm.generate(prompts, params, use_tqdm=False)
 
-    return measure(generate, reqs, warm, job)
+    result = measure(generate, reqs, warm, job)
+    if job.get("speculative"):
+        result["spec_decode"] = spec_counts(llm)
+    return result
+
+
+def spec_counts(llm) -> dict[str, float]:
+    """vLLM's speculative-decoding counters over the whole run (TTFT, warm-up, decode)."""
+    return {
+        m.name.removeprefix("vllm:spec_decode_"): m.value
+        for m in llm.get_metrics()
+        if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")
+    }
+
+
+def spec_line(k: int, rep: int, name: str, counts: dict[str, float]) -> str:
+    """Acceptance of a speculative configuration: the share of drafted tokens accepted and the
+    tokens each verification step produced (1 + accepted per draft)."""
+    drafted, accepted = counts.get("num_draft_tokens", 0), counts.get("num_accepted_tokens", 0)
+    drafts = counts.get("num_drafts", 0)
+    rate = accepted / drafted if drafted else 0.0
+    per_step = 1 + accepted / drafts if drafts else 1.0
+    return (
+        f"{k} paragraphs, repeat {rep + 1}, {name}: {drafts:.0f} verification steps, "
+        f"{drafted:.0f} draft tokens, {accepted:.0f} accepted: acceptance rate {rate:.2f}, "
+        f"{per_step:.2f} tokens per verification step"
+    )
 
 
 def measure(generate: Callable[[list, list], Sequence], reqs: list, warm: list, job: dict) -> dict:
@@ -224,6 +259,9 @@ def main() -> None:
             for name, r in results.items():
                 print(table_row(k, rep, name, r, ref), flush=True)
                 ratios[name].append(r["decode_tok_s"] / ref["decode_tok_s"])
+            for name, r in results.items():
+                if "spec_decode" in r:
+                    print(spec_line(k, rep, name, r["spec_decode"]), flush=True)
         if args.repeats > 1:
             for name in args.configs[1:]:
                 got = ", ".join(f"{x:.2f}" for x in ratios[name])

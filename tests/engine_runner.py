@@ -12,7 +12,8 @@ Job: {"model", "mepic": bool, "policy": str|null, "dtype" (float32), "block_size
 [[{"segments": [[kind, [ids...]], ...], "salt": str|null}, ...], ...], "max_tokens",
 "logprobs", "options" (MEPIC options), "reset_between_batches", "reset_before" (batch indices),
 "tensor_parallel_size", "kv_cache_bytes", "scheduler_cls" (a stock job's ``--scheduler-cls``),
-"refuse": [request, or {"raw": {"prompt_token_ids", "extra_args"}}], "chunk_digests": bool}.
+"refuse": [request, or {"raw": {"prompt_token_ids", "extra_args"}}], "chunk_digests": bool,
+"speculative_config" (vLLM's), "log_stats": bool (adds vLLM's ``spec_decode`` counters)}.
 With ``chunk_digests`` the result has, after each batch, every ready chunk's canonical blocks and
 a SHA-256 of its canonical KV bytes in every layer (``chunk_digests``: one
 ``{chunk id: [block ids, digest]}`` per batch; in-process engine only).
@@ -39,7 +40,7 @@ def run_job(job: dict) -> dict:
     llm = None
     try:
         llm = build_llm(job, LLM)
-        return serve_job(job, llm)
+        return features_job(job, llm) if job.get("features") else serve_job(job, llm)
     finally:
         if llm is not None:
             close(llm)
@@ -62,6 +63,13 @@ def build_llm(job: dict, LLM):
         options = {"policy": job["policy"]} if job.get("policy") else {}
         options.update(job.get("options", {}))
         kwargs.update(mepic_llm_kwargs(**options))
+    if job.get("speculative_config"):
+        kwargs["speculative_config"] = job["speculative_config"]
+    if job.get("log_stats"):
+        kwargs["disable_log_stats"] = False
+    for key in ("enable_chunked_prefill", "scheduling_policy", "max_num_seqs"):
+        if key in job:
+            kwargs[key] = job[key]
     if job.get("kv_cache_bytes"):  # else VLLM_CPU_KVCACHE_SPACE's 1 GiB, zeroed at each start
         kwargs["kv_cache_memory_bytes"] = job["kv_cache_bytes"]
     return LLM(
@@ -130,6 +138,12 @@ def serve_job(job: dict, llm) -> dict:
     info = {"platform": current_platform.device_type, "refused": refused}
     if digests:
         info["chunk_digests"] = digests
+    if job.get("log_stats"):  # speculative decoding's counters (vLLM's own metrics)
+        info["spec_decode"] = {
+            m.name.removeprefix("vllm:spec_decode_"): m.value
+            for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")
+        }
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process engine only
     if job["mepic"] and core is not None:
         manager = core.scheduler.kv_cache_manager
@@ -137,6 +151,46 @@ def serve_job(job: dict, llm) -> dict:
             info.update(metrics=manager.metrics(), chunk_blocks=list(manager.recent_chunk_blocks))
         info["block_hasher"] = getattr(core.request_block_hasher, "__qualname__", None)
     return {"batches": results, **info}
+
+
+def features_job(job: dict, llm) -> dict:
+    """vLLM serving features on a MEPIC engine (``tests/engine/test_features.py``): the job's
+    RAG request (``batches[0][0]``) as a MEPIC request with n = 1 (the reference), with n = 2,
+    under a structured-output choice, twice at two priorities, and as a plain prompt with prompt
+    logprobs."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from ascend_mepic.core.segments import Segment, SegmentKind
+    from ascend_mepic.offline import segment_request
+
+    segs = [Segment(SegmentKind(k), tuple(ids)) for k, ids in job["batches"][0][0]["segments"]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 6))
+
+    def run(params, copies=1, priority=None):
+        pairs = [segment_request(segs, params) for _ in range(copies)]
+        outs = llm.generate([p for p, _ in pairs], [sp for _, sp in pairs], use_tqdm=False,
+                            priority=priority)  # fmt: skip
+        return [[list(c.token_ids) for c in o.outputs] for o in outs], outs
+
+    result = {"reference": run(greedy)[0][0][0]}
+    # n > 1 must sample (vLLM refuses greedy); top-k 1 samples the greedy token
+    result["n2"] = run(SamplingParams(temperature=1.0, top_k=1, n=2, max_tokens=greedy.max_tokens))[
+        0
+    ][0]
+    choice = greedy.clone()
+    choice.max_tokens = 16
+    choice.structured_outputs = StructuredOutputsParams(choice=job["choices"])
+    result["choice"] = run(choice)[1][0].outputs[0].text
+    result["priority"] = [o[0] for o in run(greedy, copies=2, priority=[5, 0])[0]]
+    logprobs = greedy.clone()
+    logprobs.prompt_logprobs = 1
+    plain = {"prompt_token_ids": [t for s in segs for t in s.token_ids]}
+    out = llm.generate([plain], logprobs, use_tqdm=False)[0]
+    result["plain"] = list(out.outputs[0].token_ids)
+    result["prompt_logprobs"] = len(out.prompt_logprobs or ())
+    result["metrics"] = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.metrics()
+    return result
 
 
 def _digest_worker_chunks(worker, entries: list, block_size: int) -> dict:

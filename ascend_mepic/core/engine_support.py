@@ -12,6 +12,27 @@ from ascend_mepic.core.errors import MepicUnsupportedError
 from ascend_mepic.core.policies import Placement, Policy
 from ascend_mepic.vllm_integration.core_types import FullAttentionSpec, KVCacheConfig
 
+# Speculation kinds MEPIC runs with. n-gram (prompt lookup) drafts on the host from the token
+# ids alone; its verification step is a decode step of 1 + k query tokens per request, which
+# MEPIC's token map places after the layout like any decode token (a rejected token's slot is
+# rewritten by the next step's token at the same index, and causality by index keeps stale KV
+# out of attention).
+SUPPORTED_SPECULATION = ("ngram",)
+_DRAFTER_MODEL = (
+    "the drafter is a second model whose layers get KV slots and attention metadata from "
+    "vLLM's proposer, computed from vLLM's token indices, not MEPIC's token map, and whose KV "
+    "for chunk tokens would need a compile of its own; it would take placing the drafter's "
+    "steps through MEPIC's runner and compiling chunks for the drafter's layers too"
+)
+SPECULATION_REFUSED = {
+    "draft_model": _DRAFTER_MODEL,
+    "eagle": _DRAFTER_MODEL + " (EAGLE also reads the target's hidden states per position)",
+    "eagle3": _DRAFTER_MODEL + " (EAGLE also reads the target's hidden states per position)",
+    "mtp": _DRAFTER_MODEL,
+    "medusa": "untested with MEPIC: Medusa heads read the target's hidden states",
+}
+_OTHER_SPECULATION = "untested with MEPIC (supported: " + ", ".join(SUPPORTED_SPECULATION) + ")"
+
 
 class UnsupportedEngineFeature(ValueError):
     """An engine setting MEPIC cannot run with."""
@@ -32,9 +53,12 @@ def unsupported_features(vllm_config: Any, policy: Policy, tier_enabled: bool) -
         reasons.append(
             "decode context parallelism: MEPIC's block tables address whole blocks per rank"
         )
-    if vllm_config.speculative_config is not None:
+    spec = vllm_config.speculative_config
+    method = getattr(spec, "method", None)
+    if spec is not None and method not in SUPPORTED_SPECULATION:
         reasons.append(
-            "speculative decoding: draft tokens would be placed without MEPIC's token map"
+            f"speculative decoding with method {method!r}: "
+            + SPECULATION_REFUSED.get(method, _OTHER_SPECULATION)
         )
     if getattr(vllm_config.scheduler_config, "async_scheduling", False):
         reasons.append(

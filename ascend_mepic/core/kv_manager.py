@@ -111,7 +111,9 @@ class MepicKVCacheManager(KVCacheManager):
         self.room = StepRoom()
         if self.settings.budgets is not None:
             b = self.settings.budgets
-            self.room.set_budgets(b.tokens, b.seqs, b.compile_token_cap, b.whole_prefills)
+            self.room.set_budgets(
+                b.tokens, b.seqs, b.compile_token_cap, b.whole_prefills, b.compiles
+            )
         self._states: dict[str, RequestState] = {}
         self._single = request_tables(self)  # vLLM's holder of the request block tables
         self.mepic_block_size = table_block_size(self._single)

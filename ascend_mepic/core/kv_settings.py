@@ -24,6 +24,7 @@ class StepBudgets:
     seqs: int
     compile_token_cap: int
     whole_prefills: bool = False
+    compiles: bool = True  # the policy runs chunk compiles or loads (not ``full``/``prefix``)
 
 
 @dataclass(frozen=True)

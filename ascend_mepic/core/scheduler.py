@@ -143,6 +143,7 @@ class MepicScheduler(Scheduler):
                 *self._batch,
                 int(self._batch[0] * fraction),
                 whole_prefills=not self.scheduler_config.enable_chunked_prefill,
+                compiles=self.pic_policy.placement is not Placement.NONE,
             ),
         )
 

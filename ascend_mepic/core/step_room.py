@@ -36,13 +36,34 @@ class StepRoom:
         self._wanted = (0, 0)  # compile room deferred in this step: kept in the next one
 
     def set_budgets(
-        self, tokens: int, seqs: int, compile_token_cap: int, whole_prefills: bool = False
+        self,
+        tokens: int,
+        seqs: int,
+        compile_token_cap: int,
+        whole_prefills: bool = False,
+        compiles: bool = True,
     ) -> None:
-        """The runner's per-step batch, and the share of it one step's compiles may take."""
-        if tokens < 2 or seqs < 2:
+        """The runner's per-step batch, and the share of it one step's compiles may take.
+
+        ``compiles``: whether the engine's policy ever runs a chunk compile or load (false for
+        ``full`` and ``prefix``, which ignore segments); only then does a step need room for
+        two sequences and two tokens, so only then are smaller budgets refused.
+        """
+        if tokens < 1 or seqs < 1:
+            raise ValueError(f"step budgets must be positive, got {tokens} tokens, {seqs} seqs")
+        if compiles and (tokens < 2 or seqs < 2):
+            small = [
+                f"{name}={value}"
+                for name, value in (("max_num_batched_tokens", tokens), ("max_num_seqs", seqs))
+                if value < 2
+            ]
             raise ValueError(
-                "max_num_batched_tokens and max_num_seqs must be at least 2 for MEPIC (a compile "
-                "runs beside the request that brings its chunk)"
+                f"{' and '.join(small)} is too small for a policy that compiles chunks: a "
+                "chunk's compile runs as a sequence of its own (at least one token) in the step "
+                "that admits the request bringing it, beside at least one of that request's "
+                "tokens, and is never split across steps, so a step must hold 2 sequences and "
+                "2 tokens; raise them to at least 2, or use policy 'full' or 'prefix' (no "
+                "compiles)"
             )
         self.token_budget, self.seq_budget = tokens, seqs
         self.compile_token_cap = max(1, min(compile_token_cap, tokens - 1))

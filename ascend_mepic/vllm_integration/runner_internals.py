@@ -140,3 +140,60 @@ def rewrite_positions_and_slots(
         slot_mapping[torch.from_numpy(rows).to(slot_mapping.device)] = torch.from_numpy(
             slots[rows]
         ).to(slot_mapping.device)
+
+
+def fix_cpu_rejection_kernels() -> list[str]:
+    """Point vLLM 0.30.0's rejection-sampling dispatchers at its own CPU kernels.
+
+    Why: without Triton, ``CPUModelRunner._postprocess_triton`` rebinds the module names
+    ``rejection_greedy_sample_kernel`` (and the three others) in ``vllm.v1.sample.
+    rejection_sampler`` to its C++ kernels, but the sampler calls them through dispatchers
+    (``_rejection_greedy_sample`` ...) that captured the Triton placeholders at import, so every
+    verification step of speculative decoding raised ``TypeError: Cannot inspect kernel
+    parameters``, MEPIC on or off. Rebinding each dispatcher's ``kernel`` fixes it; the C++
+    kernels take the dispatchers' argument names except ``expand``'s (``input_val``), adapted
+    here. Returns the dispatchers rebound (none where Triton is present)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:
+        return []
+    import vllm.utils.cpu_triton_utils as cpu_kernels
+    import vllm.v1.sample.rejection_sampler as sampler
+
+    def expand(output, input, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: A002, N803
+        return cpu_kernels.expand_kernel.func(
+            output, input, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS
+        )
+
+    kernels = {
+        "_rejection_greedy_sample": cpu_kernels.rejection_greedy_sample_kernel,
+        "_rejection_random_sample": cpu_kernels.rejection_random_sample_kernel,
+        "_sample_recovered_tokens": cpu_kernels.sample_recovered_tokens_kernel,
+        "_expand": type(cpu_kernels.expand_kernel)(expand),
+    }
+    fixed = []
+    for name, kernel in kernels.items():
+        dispatcher = getattr(sampler, name, None)
+        if dispatcher is not None and hasattr(dispatcher, "kernel"):
+            dispatcher.kernel = kernel
+            dispatcher.__dict__.pop("_kernel_arg_names", None)  # a cached_property
+            fixed.append(name)
+    return fixed
+
+
+def quiet_numba_threads() -> None:
+    """Run vLLM's n-gram drafter (numba, ``prange``) on numba's own ``workqueue`` threads.
+
+    Why: with numba's default threading layer the drafter's thread pool competed with torch's
+    OpenMP threads on the CPU: every forward pass after the first draft ran 15-20x slower (a
+    warm 7-token step of SmolLM2-135M on 2 cores: 2.0-2.9 s against 0.11-0.16 s without
+    speculation; 0.10-0.14 s with ``workqueue`` or ``NUMBA_NUM_THREADS=1``). The drafter uses one
+    thread below its token threshold anyway. Takes effect only before numba launches its pool;
+    a user's ``NUMBA_THREADING_LAYER`` wins."""
+    import os
+
+    if "NUMBA_THREADING_LAYER" in os.environ:
+        return
+    import numba
+
+    numba.config.THREADING_LAYER = "workqueue"

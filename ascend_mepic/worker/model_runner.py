@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
@@ -29,7 +30,9 @@ from ascend_mepic.tier.worker_io import WorkerTier
 from ascend_mepic.vllm_integration import channel
 from ascend_mepic.vllm_integration.runner_internals import (
     STEP_NOT_PLACED,
+    fix_cpu_rejection_kernels,
     hand_step_tables,
+    quiet_numba_threads,
     rewrite_positions_and_slots,
     step_token_inputs,
     widen_block_table,
@@ -65,6 +68,12 @@ class MepicRunnerMixin:
             else None
         )
         self._step_loaded = False  # this step's time includes tier loads (not a compute sample)
+        # n-gram speculation looks drafts up in each MEPIC request's real prompt (every chunk
+        # token), not in the in-context stream vLLM's input batch holds: request id -> (real
+        # prompt, in-context tokens).
+        spec = vllm_config.speculative_config
+        if self.mepic_enabled and getattr(spec, "method", None) == "ngram":
+            self._lookup_prompts = {}
         if policy.dynamic:
             if not vllm_config.model_config.enforce_eager:
                 raise ValueError(f"policy {policy.name!r} needs enforce_eager=True")
@@ -79,6 +88,7 @@ class MepicRunnerMixin:
     def _init_placement_state(self) -> None:
         """The token maps of live sequences (a pool row each; see ``token_pool``)."""
         self._token_pool = TokenMapPool(self.mepic_block_size)
+        self._lookup_prompts: dict[str, tuple[np.ndarray, int]] | None = None
 
     def mepic_kv_buffers(self) -> list[torch.Tensor]:
         """Per-layer KV as ``tier.transfer`` reads it: logical ``[num_blocks, 2, B, Hkv, D]``
@@ -103,6 +113,8 @@ class MepicRunnerMixin:
         """Take this step's plan: token maps of new sequences, then host and tier loads."""
         for req_id in scheduler_output.finished_req_ids:
             self._token_pool.remove(req_id)
+            if self._lookup_prompts is not None:
+                self._lookup_prompts.pop(req_id, None)
         plan = channel.receive(scheduler_output) if self.mepic_enabled else None
         self._plan = plan
         if plan is not None:
@@ -134,6 +146,39 @@ class MepicRunnerMixin:
             tmap = TokenMap.from_placement(placement, self.mepic_block_size)
             ratio = placement.blend[0] if placement.blend is not None else None
             self._token_pool.add(req_id, tmap, ratio)
+            if self._lookup_prompts is not None and not placement.compile:
+                real = (t for seg in placement.layout.segments for t in seg.token_ids)
+                self._lookup_prompts[req_id] = (np.fromiter(real, np.int64), received)
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        """vLLM's drafting, except that n-gram drafts of MEPIC requests are looked up in the
+        request's real prompt and its output: an answer that copies a chunk's text past the
+        chunk's first tokens finds it (the input batch holds only the in-context stream).
+        Drafts never change greedy outputs, only how many tokens each verification accepts."""
+        prompts = self._lookup_prompts
+        batch = self.input_batch
+        req_ids = batch.req_ids[: len(sampled_token_ids)]  # the step's rows, in order
+        if not prompts or not any(r in prompts for r in req_ids):
+            return super().propose_draft_token_ids(
+                scheduler_output, sampled_token_ids, *args, **kwargs
+            )
+        self._draft_probs = self._draft_prob_req_ids = None  # as vLLM's n-gram branch does
+        lengths = batch.num_tokens_no_spec[: len(req_ids)].copy()
+        streams = []
+        for i, req_id in enumerate(req_ids):
+            n = int(lengths[i])
+            found = prompts.get(req_id)
+            row = batch.token_ids_cpu[i, :n]
+            if found is not None:  # the real prompt, then what followed the in-context stream
+                row = np.concatenate([found[0], row[found[1] :]])
+            streams.append(row)
+        lengths[:] = [len(row) for row in streams]
+        tokens = np.zeros((len(req_ids), max(1, int(lengths.max()))), batch.token_ids_cpu.dtype)
+        for i, row in enumerate(streams):
+            tokens[i, : len(row)] = row
+        return self.drafter.propose(
+            scheduler_output.num_spec_tokens_to_schedule, sampled_token_ids, lengths, tokens
+        )
 
     def _move_chunks(self, moves: tuple[ChunkMove, ...]) -> None:
         """Copy relocated chunks' canonical tokens (sources stay untouched until the step ran,
@@ -268,5 +313,14 @@ class MepicWorkerMixin:
 
 class MepicCPUModelRunner(MepicRunnerMixin, CPUModelRunner):
     def __init__(self, vllm_config, device: torch.device) -> None:
+        if getattr(vllm_config.speculative_config, "method", None) == "ngram":
+            quiet_numba_threads()
         super().__init__(vllm_config, device)
         self._init_mepic(vllm_config)
+
+    def _postprocess_triton(self) -> None:
+        """vLLM's CPU kernel rebinding, and the rejection sampler's it misses (speculative
+        decoding; ``runner_internals.fix_cpu_rejection_kernels`` says why)."""
+        super()._postprocess_triton()
+        if self.speculative_config is not None:
+            fix_cpu_rejection_kernels()

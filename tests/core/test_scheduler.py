@@ -1,5 +1,7 @@
 """MepicScheduler inside a real VllmConfig (tiny Llama), driven through schedule() calls."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from vllm.engine.arg_utils import EngineArgs
@@ -243,12 +245,35 @@ def test_compile_cap_rejects_requests_that_can_never_compile(tiny_model):
     assert "raise --max-num-batched-tokens" in sched.mepic_errors["r"][1]
 
 
+@pytest.mark.parametrize(("seqs", "tokens"), [(1, None), (None, 1), (1, 1)])
+def test_full_policy_runs_with_one_sequence_or_one_token_a_step(tiny_model, seqs, tokens):
+    """``full`` never compiles a chunk: vLLM's smallest batches start and schedule."""
+    sched, hasher = make_scheduler(
+        tiny_model, {"mepic": {"policy": "full"}}, max_num_seqs=seqs, max_num_batched_tokens=tokens
+    )
+    doc = Segment.chunk(range(300, 340))
+    for i in range(2):
+        segs = [Segment.prompt([1, 2 + i]), doc, Segment.prompt([9])]
+        sched.add_request(mepic_request(f"r{i}", segs, hasher))
+    out = sched.schedule()
+    assert len(out.num_scheduled_tokens) == 1
+    assert out.total_num_scheduled_tokens == (1 if tokens == 1 else 43)
+
+
+def test_mepic_refuses_a_step_too_small_for_a_compile(tiny_model):
+    with pytest.raises(ValueError, match=r"max_num_seqs=1 is too small.*policy 'full'"):
+        make_scheduler(tiny_model, {"mepic": {}}, max_num_seqs=1)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         (lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2), "pipeline"),
         (lambda c: setattr(c.scheduler_config, "async_scheduling", True), "async scheduling"),
-        (lambda c: setattr(c, "speculative_config", object()), "speculative decoding"),
+        (
+            lambda c: setattr(c, "speculative_config", SimpleNamespace(method="draft_model")),
+            "speculative decoding with method 'draft_model'",
+        ),
         (lambda c: setattr(c, "lora_config", object()), "LoRA"),
         (lambda c: setattr(c.parallel_config, "tensor_parallel_size", 2), "host store"),
     ],

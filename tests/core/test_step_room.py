@@ -68,7 +68,18 @@ def test_check_request_measures_unique_chunks_against_one_step():
 
 
 def test_budgets_too_small_for_a_compile_beside_its_request():
-    with pytest.raises(ValueError, match="at least 2"):
+    """A policy that compiles needs a step of 2 sequences and 2 tokens; the error says why."""
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=1 is too small.*beside"):
         room(tokens=1)
-    with pytest.raises(ValueError, match="at least 2"):
+    with pytest.raises(ValueError, match=r"max_num_seqs=1 is too small.*sequence of its own"):
         room(seqs=1)
+
+
+def test_budgets_of_one_without_compiles():
+    """``full`` / ``prefix`` never compile: one sequence, one token a step is a valid batch."""
+    r = StepRoom()
+    r.set_budgets(1, 1, 1, compiles=False)
+    assert r.claim("a", 1) and not r.claim("b", 1)
+    assert r.max_compile_seqs == 0 and r.max_compile_tokens == 0
+    with pytest.raises(ValueError, match="positive"):
+        r.set_budgets(0, 1, 1, compiles=False)

@@ -115,7 +115,9 @@ def _new_request(req_id: str, num_tokens: int) -> NewRequestData:
 
 
 def _runner() -> types.SimpleNamespace:
-    return types.SimpleNamespace(mepic_block_size=BS, _token_pool=TokenMapPool(BS))
+    return types.SimpleNamespace(
+        mepic_block_size=BS, _token_pool=TokenMapPool(BS), _lookup_prompts=None
+    )
 
 
 def test_runner_refuses_a_prompt_the_plan_does_not_describe():
