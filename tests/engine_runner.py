@@ -12,7 +12,8 @@ Job: {"model", "mepic": bool, "policy": str|null, "dtype" (float32), "block_size
 [[{"segments": [[kind, [ids...]], ...], "salt": str|null}, ...], ...], "max_tokens",
 "logprobs", "options" (MEPIC options), "reset_between_batches", "reset_before" (batch indices),
 "tensor_parallel_size", "kv_cache_bytes", "scheduler_cls" (a stock job's ``--scheduler-cls``),
-"refuse": [request, or {"raw": {"prompt_token_ids", "extra_args"}}], "chunk_digests": bool}.
+"refuse": [request, or {"raw": {"prompt_token_ids", "extra_args"}}], "chunk_digests": bool,
+"kv_events" (``KVEventsConfig`` fields: vLLM's KV events publisher)}.
 With ``chunk_digests`` the result has, after each batch, every ready chunk's canonical blocks and
 a SHA-256 of its canonical KV bytes in every layer (``chunk_digests``: one
 ``{chunk id: [block ids, digest]}`` per batch; in-process engine only).
@@ -64,6 +65,10 @@ def build_llm(job: dict, LLM):
         kwargs.update(mepic_llm_kwargs(**options))
     if job.get("kv_cache_bytes"):  # else VLLM_CPU_KVCACHE_SPACE's 1 GiB, zeroed at each start
         kwargs["kv_cache_memory_bytes"] = job["kv_cache_bytes"]
+    if job.get("kv_events"):  # KVEventsConfig's fields: vLLM's KV events publisher
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**job["kv_events"])
     return LLM(
         model=job["model"],
         dtype=job.get("dtype", "float32"),
