@@ -24,11 +24,15 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored
-from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash
-
 from ascend_mepic.core.chunk_cache import ChunkEntry
-from ascend_mepic.vllm_integration.core_types import BlockPool
+from ascend_mepic.vllm_integration.core_types import (
+    BlockHash,
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    maybe_convert_block_hash,
+)
 from ascend_mepic.vllm_integration.kv_cache import GROUP, queue_kv_events
 
 EXTRA_KEY_TAG = "mepic-chunk"
