@@ -157,3 +157,39 @@ def test_no_events_when_kv_events_are_off():
     m = manager(events=False)
     run(m, "a", [Segment.prompt([1]), chunk(1, 2 * B), Segment.prompt([2])])
     assert m.take_events() == [] and m.block_pool.kv_event_queue == []
+
+
+def test_a_late_subscriber_replays_chunk_events_from_vllms_publisher(tmp_path):
+    """The events survive vLLM's ZMQ publisher (msgpack) and its replay socket: a subscriber
+    that was not there when they were published asks for them from sequence 0."""
+    import time
+
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+
+    m = manager()
+    c = chunk(1, 2 * B)
+    run(m, "a", [Segment.prompt([1]), c, Segment.prompt([2])])
+    published = [e for _, e in chunk_events(m)]
+    replay = f"ipc://{tmp_path}/replay"
+    pub = ZmqEventPublisher(0, endpoint=f"ipc://{tmp_path}/pub", replay_endpoint=replay)
+    ctx = zmq.Context()
+    late = ctx.socket(zmq.DEALER)
+    try:
+        pub.publish(KVEventBatch(ts=time.time(), events=published))
+        time.sleep(0.3)  # published before anyone listened
+        late.connect(replay)
+        late.send_multipart([b"", (0).to_bytes(8, "big")])
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        got = []
+        while late.poll(5000):
+            _, _, seq, payload = late.recv_multipart()
+            if seq == ZmqEventPublisher.END_SEQ:
+                break
+            got.extend(decoder.decode(payload).events)
+    finally:
+        late.close(linger=0)
+        ctx.term()
+        pub.shutdown()
+    assert got == published and got[0].token_ids == list(c.token_ids)
