@@ -13,7 +13,8 @@ Job: {"model", "mepic": bool, "policy": str|null, "dtype" (float32), "block_size
 "logprobs", "options" (MEPIC options), "reset_between_batches", "reset_before" (batch indices),
 "tensor_parallel_size", "kv_cache_bytes", "scheduler_cls" (a stock job's ``--scheduler-cls``),
 "refuse": [request, or {"raw": {"prompt_token_ids", "extra_args"}}], "chunk_digests": bool,
-"speculative_config" (vLLM's), "log_stats": bool (adds vLLM's ``spec_decode`` counters)}.
+"speculative_config" (vLLM's), "log_stats": bool (adds vLLM's ``spec_decode`` counters),
+"kv_events" (``KVEventsConfig`` fields: vLLM's KV events publisher)}.
 With ``chunk_digests`` the result has, after each batch, every ready chunk's canonical blocks and
 a SHA-256 of its canonical KV bytes in every layer (``chunk_digests``: one
 ``{chunk id: [block ids, digest]}`` per batch; in-process engine only).
@@ -72,6 +73,10 @@ def build_llm(job: dict, LLM):
             kwargs[key] = job[key]
     if job.get("kv_cache_bytes"):  # else VLLM_CPU_KVCACHE_SPACE's 1 GiB, zeroed at each start
         kwargs["kv_cache_memory_bytes"] = job["kv_cache_bytes"]
+    if job.get("kv_events"):  # KVEventsConfig's fields: vLLM's KV events publisher
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**job["kv_events"])
     return LLM(
         model=job["model"],
         dtype=job.get("dtype", "float32"),

@@ -23,9 +23,13 @@ import enum
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ascend_mepic.core.identity import ChunkId
 from ascend_mepic.vllm_integration.core_types import BlockPool, KVCacheBlock
+
+if TYPE_CHECKING:
+    from ascend_mepic.core.chunk_events import ChunkEvents
 
 
 class ChunkState(str, enum.Enum):
@@ -46,6 +50,8 @@ class ChunkEntry:
     refs: int = 0
     pinned: bool = False
     tenant: str | None = None  # the cache salt (tenants never share a block)
+    token_ids: tuple[int, ...] = ()  # the chunk's tokens (all of them), for its KV events
+    anchor: tuple[int, ...] = ()  # the tokens it is compiled after (``Policy.anchor_tokens``)
 
     @property
     def block_ids(self) -> list[int]:
@@ -169,17 +175,28 @@ class ChunkCache:
         # Pin requests admitted but not yet pinned: request id -> (tenant, blocks at most), so
         # two registrations in flight together cannot both pass the quota.
         self._pin_reserved: dict[str, tuple[str | None, int]] = {}
+        # Residency as vLLM KV events (set by the KV manager): a chunk ready, a chunk evicted.
+        self.events: ChunkEvents | None = None
 
     def lookup(self, chunk_id: ChunkId) -> ChunkEntry | None:
         return self.entries.get(chunk_id)
 
     def _place(
-        self, chunk_id: ChunkId, num_tokens: int, num_canonical: int, tenant: str | None
+        self,
+        chunk_id: ChunkId,
+        num_tokens: int,
+        num_canonical: int,
+        tenant: str | None,
+        token_ids: tuple[int, ...],
+        anchor: tuple[int, ...],
     ) -> ChunkEntry:
         assert chunk_id not in self.entries and 0 < num_canonical <= num_tokens
         blocks, offset = self.arena.place(num_canonical, tenant)
         self.residents.update(b.block_id for b in blocks)
-        entry = ChunkEntry(chunk_id, num_tokens, blocks, offset, num_canonical, tenant=tenant)
+        entry = ChunkEntry(
+            chunk_id, num_tokens, blocks, offset, num_canonical, tenant=tenant,
+            token_ids=token_ids, anchor=anchor,
+        )  # fmt: skip
         self.entries[chunk_id] = entry
         return entry
 
@@ -190,18 +207,27 @@ class ChunkCache:
         num_canonical: int,
         owner: str,
         tenant: str | None = None,
+        token_ids: tuple[int, ...] = (),
+        anchor: tuple[int, ...] = (),
     ) -> ChunkEntry:
-        """Place a first-time chunk's canonical tokens; its blocks carry the residency reference."""
-        entry = self._place(chunk_id, num_tokens, num_canonical, tenant)
+        """Place a first-time chunk's canonical tokens; its blocks carry the residency reference.
+        ``token_ids`` (the chunk's) and ``anchor`` name it in its KV events."""
+        entry = self._place(chunk_id, num_tokens, num_canonical, tenant, token_ids, anchor)
         entry.owner = owner
         self._pending.append(entry)
         return entry
 
     def create_loading(
-        self, chunk_id: ChunkId, num_tokens: int, num_canonical: int, tenant: str | None = None
+        self,
+        chunk_id: ChunkId,
+        num_tokens: int,
+        num_canonical: int,
+        tenant: str | None = None,
+        token_ids: tuple[int, ...] = (),
+        anchor: tuple[int, ...] = (),
     ) -> ChunkEntry:
         """Place a chunk the worker loads from the tier this step."""
-        entry = self._place(chunk_id, num_tokens, num_canonical, tenant)
+        entry = self._place(chunk_id, num_tokens, num_canonical, tenant, token_ids, anchor)
         entry.state = ChunkState.LOADING
         return entry
 
@@ -267,6 +293,8 @@ class ChunkCache:
             entry.state = ChunkState.READY
             if not entry.pinned:
                 self.lru.add(entry)
+            if self.events is not None:
+                self.events.stored(entry)
             return
         del self.entries[entry.chunk_id]
         self._free(entry)
@@ -288,6 +316,8 @@ class ChunkCache:
         for entry in done:
             entry.state = ChunkState.READY
             entry.owner = None
+            if self.events is not None:
+                self.events.stored(entry)
         return done
 
     def drop_pending(self, owner: str) -> None:
@@ -327,6 +357,8 @@ class ChunkCache:
         self.lru.discard(entry)
         del self.entries[entry.chunk_id]
         self.stats.evictions += 1
+        if self.events is not None and entry.state is ChunkState.READY:
+            self.events.removed(entry)
         before = self.block_pool.get_num_free_blocks()
         self._free(entry)
         self.stats.evicted_blocks += self.block_pool.get_num_free_blocks() - before

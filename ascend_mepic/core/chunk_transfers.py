@@ -175,6 +175,7 @@ class TierTransfers:
         """
         tier = self.settings.tier
         assert tier is not None
+        anchor = self.settings.policy.anchor_tokens(layout.segments)
         for span in layout.chunk_spans:
             chunk_id = chunk_ids[span.segment]
             if chunk_id is None or self.chunk_cache.lookup(chunk_id) is not None:
@@ -195,8 +196,9 @@ class TierTransfers:
             if need > free:
                 self.chunk_cache.evict_until_free(need + self.watermark_blocks)
             entry = self.chunk_cache.create_loading(
-                chunk_id, span.num_tokens, num_canonical, tenant
-            )
+                chunk_id, span.num_tokens, num_canonical, tenant,
+                token_ids=layout.chunk_tokens(span), anchor=anchor,
+            )  # fmt: skip
             scratch = self.block_pool.get_new_blocks(1)[0]
             self._load_seq += 1
             load = TierLoad(

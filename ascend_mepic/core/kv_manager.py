@@ -46,6 +46,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 
 from ascend_mepic.core.admission import Admission
 from ascend_mepic.core.chunk_cache import ChunkCache
+from ascend_mepic.core.chunk_events import ChunkEvents
 from ascend_mepic.core.chunk_transfers import HostStoreStaging, TierTransfers
 from ascend_mepic.core.counters import MepicCounters
 from ascend_mepic.core.engine_support import check_kv_cache_supported
@@ -118,6 +119,9 @@ class MepicKVCacheManager(KVCacheManager):
         self._single = request_tables(self)  # vLLM's holder of the request block tables
         self.mepic_block_size = table_block_size(self._single)
         self.chunk_cache = ChunkCache(self.block_pool, self.mepic_block_size)
+        # Chunk residency as vLLM KV events, published with vLLM's (``take_events``) when
+        # ``--kv-events-config`` is on.
+        self.chunk_cache.events = ChunkEvents(self.block_pool, self.mepic_block_size)
         common: dict[str, Any] = dict(
             settings=self.settings, block_pool=self.block_pool, chunk_cache=self.chunk_cache
         )
@@ -373,6 +377,8 @@ class MepicKVCacheManager(KVCacheManager):
         return super().pop_blocks_for_free(request)
 
     def reset_prefix_cache(self) -> bool:
+        """Evict every idle chunk (``BlockRemoved`` each), then vLLM's reset (which publishes
+        ``AllBlocksCleared`` when it succeeds: no block in use, no chunk pinned)."""
         self.chunk_cache.evict_all_idle()
         return super().reset_prefix_cache()
 

@@ -215,13 +215,13 @@ class PackedAdmission(Admission):
         for chunk_id, segs in new_chunks.items():
             span = st.layout.spans[segs[0]]
             k = span.private_tokens
+            tokens = st.layout.chunk_tokens(span)
             entry = self.chunk_cache.create(
                 chunk_id, span.num_tokens, span.num_tokens - k, request.request_id,
-                tenant=request.cache_salt,
+                tenant=request.cache_salt, token_ids=tokens, anchor=anchor,
             )  # fmt: skip
             scratch = self.block_pool.get_new_blocks(-(-(len(anchor) + k) // bs))
             st.scratch.extend(scratch)
-            tokens = st.layout.chunk_tokens(span)
             # The anchor (a prompt segment) and the chunk's private tokens form the compile's
             # private stream, in scratch; its canonical tokens go where the arena placed them.
             alone = build_packed_layout(

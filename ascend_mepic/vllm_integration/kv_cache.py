@@ -13,6 +13,7 @@ so every helper works on KV cache group 0.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -165,3 +166,16 @@ def num_cached_free_blocks(block_pool: BlockPool) -> int:
         for b in block_pool.blocks
         if b.ref_cnt == 0 and b.block_hash is not None and not b.is_null
     )
+
+
+def queue_kv_events(block_pool: BlockPool, events: Iterable[Any]) -> None:
+    """Queue KV events beside the block pool's own, in order.
+
+    Why: vLLM's scheduler publishes ``KVCacheManager.take_events()``, which takes
+    ``BlockPool.kv_event_queue`` (and annotates each event's cache spec); MEPIC's chunk events
+    go in the same queue so they keep their order with vLLM's prefix events (a chunk's
+    ``BlockRemoved`` before the ``AllBlocksCleared`` of a reset). Only when events are on:
+    ``take_events`` never empties the queue otherwise.
+    """
+    if block_pool.enable_kv_cache_events:
+        block_pool.kv_event_queue.extend(events)
