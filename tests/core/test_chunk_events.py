@@ -1,38 +1,18 @@
 """Chunk residency as vLLM KV events, on the KV manager over vLLM's real BlockPool (no model)."""
 
-import dataclasses
-
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.v1.request import RequestStatus
 
 from ascend_mepic.core.chunk_events import EXTRA_KEY_TAG, anchor_digest, chunk_block_hashes
-from ascend_mepic.core.kv_manager import MepicKVCacheManager
-from ascend_mepic.core.kv_settings import KVSettings
-from ascend_mepic.core.policies import parse_policy
 from ascend_mepic.core.segments import PIN_KEY, Segment
-from ascend_mepic.eval.kvsim import SIM_MODEL, build_manager, kv_cache_config, make_request
-from ascend_mepic.vllm_integration.core_types import sha256_cbor
-from tests.core.test_kv_manager import admit, check_conservation, chunk, finish
+from ascend_mepic.eval.kvsim import make_request
+from tests.core.test_kv_manager import admit, check_conservation, chunk, finish, mepic_manager
 
 B = 16
 
 
 def manager(num_blocks: int = 64, events: bool = True, anchor: bool = False):
-    policy = parse_policy("mepic")
-    if anchor:
-        policy = dataclasses.replace(policy, anchor="prefix", anchor_max_tokens=20)
-    m = build_manager("mepic", 8, B)  # hashing set up as kvsim does
-    return MepicKVCacheManager(
-        kv_cache_config(num_blocks, B),
-        hash_fn=sha256_cbor,
-        model_fingerprint=SIM_MODEL,
-        enable_caching=True,
-        enable_kv_cache_events=events,
-        settings=KVSettings(policy=policy),
-        max_model_len=m.max_model_len,
-        scheduler_block_size=B,
-        hash_block_size=B,
-    )
+    return mepic_manager(num_blocks, anchor=anchor, events=events)
 
 
 def chunk_events(m):

@@ -505,8 +505,11 @@ def test_server_precheck_accepts_and_rejects_what_the_engine_does():
     assert seen == {True, False}
 
 
-def anchored_manager(num_blocks: int = 128) -> MepicKVCacheManager:
-    """A MEPIC manager whose compiles run after the request's prefix (``chunk_anchor``)."""
+def mepic_manager(
+    num_blocks: int = 128, anchor: bool = True, events: bool = False
+) -> MepicKVCacheManager:
+    """A ``mepic`` manager built as kvsim builds it; ``anchor``: its compiles run after the
+    request's prefix (``chunk_anchor``, up to 20 tokens); ``events``: vLLM's KV events on."""
     import dataclasses
 
     from ascend_mepic.core.kv_settings import KVSettings
@@ -514,18 +517,26 @@ def anchored_manager(num_blocks: int = 128) -> MepicKVCacheManager:
     from ascend_mepic.eval.kvsim import SIM_MODEL, kv_cache_config
     from ascend_mepic.vllm_integration.core_types import sha256_cbor
 
-    policy = dataclasses.replace(parse_policy("mepic"), anchor="prefix", anchor_max_tokens=20)
+    policy = parse_policy("mepic")
+    if anchor:
+        policy = dataclasses.replace(policy, anchor="prefix", anchor_max_tokens=20)
     m = build_manager("mepic", 8, B)  # hashing set up as kvsim does
     return MepicKVCacheManager(
         kv_cache_config(num_blocks, B),
         hash_fn=sha256_cbor,
         model_fingerprint=SIM_MODEL,
         enable_caching=True,
+        enable_kv_cache_events=events,
         settings=KVSettings(policy=policy),
         max_model_len=m.max_model_len,
         scheduler_block_size=B,
         hash_block_size=B,
     )
+
+
+def anchored_manager(num_blocks: int = 128) -> MepicKVCacheManager:
+    """A MEPIC manager whose compiles run after the request's prefix (``chunk_anchor``)."""
+    return mepic_manager(num_blocks, anchor=True)
 
 
 def test_anchored_compiles_run_after_the_prefix_and_key_the_chunk_by_it():
