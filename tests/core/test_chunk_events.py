@@ -52,7 +52,7 @@ def test_compile_publishes_the_chunk_as_a_root_chain_of_its_tokens_and_a_hit_not
     assert ev.parent_block_hash is None and ev.block_size == B and ev.group_idx == 0
     assert ev.token_ids == list(c.token_ids[: 3 * B])
     assert ev.block_hashes == chunk_block_hashes(entry.chunk_id, 3)
-    assert ev.extra_keys == [(EXTRA_KEY_TAG, "t1", None)] * 3
+    assert ev.extra_keys == [(EXTRA_KEY_TAG, "t1", "")] * 3
     assert ev.medium == "GPU"
     # Another request with the chunk elsewhere: a hit, no new chunk event.
     finish(m, a)
@@ -64,7 +64,7 @@ def test_compile_publishes_the_chunk_as_a_root_chain_of_its_tokens_and_a_hit_not
     # Another tenant's copy of the same tokens: another chain (other hashes), its salt.
     run(m, "c", [Segment.prompt([1]), c, Segment.prompt([9])], salt="t2")
     ((kind, other),) = chunk_events(m)
-    assert other.token_ids == ev.token_ids and other.extra_keys[0] == (EXTRA_KEY_TAG, "t2", None)
+    assert other.token_ids == ev.token_ids and other.extra_keys[0] == (EXTRA_KEY_TAG, "t2", "")
     assert not set(other.block_hashes) & set(ev.block_hashes)
     check_conservation(m)
 
@@ -119,7 +119,7 @@ def test_anchored_chunks_carry_the_anchor_digest_and_a_tier_load_publishes_like_
     c = chunk(1, 2 * B)
     run(m, "a", [prefix, c, Segment.prompt([9])])
     ((_, ev),) = chunk_events(m)
-    assert ev.extra_keys[0] == (EXTRA_KEY_TAG, None, anchor_digest(range(100, 120)))
+    assert ev.extra_keys[0] == (EXTRA_KEY_TAG, "", anchor_digest(range(100, 120)))
     # A tier load (placed LOADING, then verified): published once, when it is verified.
     cache = m.chunk_cache
     toks = tuple(range(5000, 5000 + 2 * B))
