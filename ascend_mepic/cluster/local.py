@@ -1,6 +1,12 @@
 """A MEPIC cluster on one machine: N ``ascend-mepic serve`` replicas and the ``route`` front,
 each its own process on loopback (the cluster benchmark, the fault tests, a try-out).
 
+Each replica's engine gets its own CPU cores (``VLLM_CPU_OMP_THREADS_BIND``, an even split of
+this process's CPUs): vLLM's automatic binding puts every engine on the same cores, and two
+engines' OpenMP threads spinning on one core starve each other (seen here: a replica's requests
+stalled for 40 s while the other replica worked). With fewer CPUs than replicas nothing is
+bound and each engine runs one thread.
+
 Every replica publishes its KV events with a replay endpoint (``tcp://*:PORT``: vLLM's publisher
 binds a wildcard endpoint, and Dynamo's indexer connects to it); the front starts Dynamo's
 indexer and registers the replicas as they become healthy.
@@ -110,7 +116,18 @@ class LocalCluster:
         self.replicas = [LocalReplica(i) for i in range(num_replicas)]
         self.front: subprocess.Popen | None = None
         self.front_port = 0
+        self.indexer_url: str | None = None
         self._front_log: Path | None = None
+
+    def _cpu_env(self, r: LocalReplica) -> dict[str, str]:
+        cpus = sorted(os.sched_getaffinity(0))
+        n = len(self.replicas)
+        env = {"OMP_WAIT_POLICY": "PASSIVE"}
+        if len(cpus) < n:
+            return env | {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        share = len(cpus) // n
+        mine = cpus[r.index * share : (r.index + 1) * share]
+        return env | {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine))}
 
     def _launch(self, r: LocalReplica) -> None:
         cmd = [
@@ -120,8 +137,9 @@ class LocalCluster:
         ]  # fmt: skip
         r.log = self.workdir / f"replica{r.index}.log"
         with open(r.log, "ab") as log:
+            env = self.env | self._cpu_env(r)
             r.proc = subprocess.Popen(
-                cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
 
     def start(self, indices: Sequence[int] | None = None) -> None:
@@ -148,8 +166,11 @@ class LocalCluster:
         ]  # fmt: skip
         for r in self.replicas:
             cmd += ["--replica", r.spec]
+        self.indexer_url = None
         if policy != "round_robin":
-            cmd += ["--start-indexer", str(free_port())]
+            port = free_port()
+            cmd += ["--start-indexer", str(port)]
+            self.indexer_url = f"http://127.0.0.1:{port}"
         self._front_log = self.workdir / f"front-{policy}.log"
         with open(self._front_log, "ab") as log:
             self.front = subprocess.Popen(
