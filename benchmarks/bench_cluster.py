@@ -28,6 +28,7 @@ import json
 import math
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -144,8 +145,12 @@ def run_arm(args, model, requests, pool_bytes, policy, tier, workdir) -> dict:
         "--dtype", "float32", "--enforce-eager", "--block-size", str(args.block_size),
         "--max-model-len", "2048", "--kv-cache-memory-bytes", str(pool_bytes),
         "--additional-config", json.dumps({"mepic": mepic}),
+        # the worker inside the engine core, which forks from the API server: two processes
+        # per replica instead of three (an idle multiprocess worker polls its queue)
+        "--distributed-executor-backend", "uni",
     ]  # fmt: skip
-    cluster = LocalCluster(model, args.replicas, workdir / f"{policy}-{tier}", serve)
+    env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    cluster = LocalCluster(model, args.replicas, workdir / f"{policy}-{tier}", serve, env)
     try:
         t0 = time.monotonic()
         cluster.start()
@@ -191,13 +196,13 @@ def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--policies", nargs="+", default=["round_robin", "prefix", "chunk"])
     p.add_argument("--tiers", nargs="+", default=["none", "redis"], choices=["none", "redis"])
     p.add_argument("--articles", type=int, default=12)
     p.add_argument("--paragraphs", type=int, default=8)
     p.add_argument("--chunks", type=int, default=3)
-    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--requests", type=int, default=240)
     p.add_argument("--zipf", type=float, default=0.5)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=4)
@@ -209,6 +214,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the JSON results and a plot here")
     args = p.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so every arm's replicas and Redis are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from transformers import AutoTokenizer
 
@@ -224,8 +231,9 @@ def main() -> int:
     block_bytes = (
         2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4 * args.block_size
     )
-    # the chunks' share, plus the private blocks of the requests in flight (prompt, chunk heads)
-    private = args.concurrency * (3 + args.chunks * 2) * 2
+    # the chunks' share, plus the private blocks of the requests in flight (prompt, question,
+    # each chunk's recomputed first tokens: about one block each)
+    private = args.concurrency * (2 + args.chunks)
     pool_blocks = int(args.pool_fraction * doc_blocks) + private
     log(
         f"workload: {len(requests)} requests, {args.articles}x{args.paragraphs} paragraphs = "

@@ -77,6 +77,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     policy = make_policy(args.policy, indexer, args.load_factor, args.affinity_s)
     reader = RequestReader(_tokenizer(args.tokenizer))
     front = ClusterFront(replicas, policy, reader, indexer, args.block_size, args.health_interval_s)
+    logging.getLogger("ascend_mepic.cluster").setLevel(args.log_level.upper())
     uvicorn.run(build_app(front), host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -113,4 +114,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="seconds a chunk counts as held by the replica it was last sent to",
     )  # fmt: skip
     p.add_argument("--health-interval-s", type=float, default=0.5)
+    p.add_argument(
+        "--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+        help="the front's log level (debug: every routing decision with its scores)",
+    )  # fmt: skip
     p.set_defaults(func=cmd_route)

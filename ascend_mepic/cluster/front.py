@@ -172,6 +172,10 @@ class ClusterFront:
                 return _error(503, "no healthy MEPIC replica", "service_unavailable")
             decision = await self.policy.choose(view, live)
             r = decision.replica
+            log.debug(
+                "route %s: %d chunks (%d tokens) -> replica %d, score %d, scores %s",
+                path, len(view.chunks), view.chunk_tokens, r.index, decision.score, decision.scores,
+            )  # fmt: skip
             tried.add(r.index)
             try:
                 return await self._forward(r, path, body, headers)
