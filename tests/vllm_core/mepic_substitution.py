@@ -346,6 +346,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     write = terminalreporter.write_line
     write("")
     write(f"== MEPIC substituted, policy {_state['policy']}: outcomes of vLLM's tests ==")
+    for line in pytest_report_header(config):  # also under -q, which hides the header
+        write(f"  {line}")
     for outcome, n in sorted(counts.items()):
         write(f"  {n:4d}  {outcome}")
     path = config.getoption("--mepic-report")
