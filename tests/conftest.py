@@ -18,6 +18,7 @@ SLOW_FILES = (
     "test_real_geometry.py",  # 28 engines, ~220 s
     "test_docs.py",  # the documented servers and the offline snippet, ~170 s
     "test_tier.py",  # two servers on one Redis, ~110 s
+    "test_cluster.py",  # two replicas, a kill and a restart, ~70 s
     "test_policies.py",  # ~100 s
     "test_server.py",  # ~85 s
     "test_serving_offline.py",  # tensor parallel 2, ~70 s

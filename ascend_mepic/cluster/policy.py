@@ -1,9 +1,13 @@
 """Which replica serves a request: round robin, prefix-aware or chunk-aware, under bounded load.
 
 All three share one load rule, so the arms differ only in what they score: a replica is a
-candidate while it holds no more than ``load_factor`` times its fair share of the requests in
-flight and of the last ``window`` decisions (consistent hashing with bounded loads, in spirit:
-affinity may concentrate hot documents, the bound keeps requests per replica near even).
+candidate while it took no more than ``load_factor`` times its fair share of the last ``window``
+decisions (consistent hashing with bounded loads, in spirit: affinity may concentrate hot
+documents, the bound keeps requests per replica near even) and has at most ``queue_gap`` more
+requests in flight than the least busy replica (so a hot replica's queue stays short). A bound
+on in-flight shares alone is too coarse at a handful of requests in flight: with 3 replicas and
+4 requests, ``ceil(1.25 * 4 / 3) = 2`` would turn a hot document away from its replica as soon
+as two of its requests overlap.
 Among the candidates the highest score wins, ties going to the least loaded.
 
 * ``round_robin``: no score; the next healthy replica in turn.
@@ -66,20 +70,23 @@ def chunk_key(tokens: Sequence[int]) -> bytes:
 class BoundedLoad:
     """The load rule every policy shares: in-flight requests and the recent decisions."""
 
-    def __init__(self, load_factor: float = 1.25, window: int = 32) -> None:
+    def __init__(self, load_factor: float = 1.25, window: int = 32, queue_gap: int = 2) -> None:
         if load_factor < 1.0:
             raise ValueError(f"load_factor must be at least 1, got {load_factor}")
+        if queue_gap < 0:
+            raise ValueError(f"queue_gap must be at least 0, got {queue_gap}")
         self.load_factor = load_factor
+        self.queue_gap = queue_gap
         self.recent: deque[int] = deque(maxlen=window)
 
     def candidates(self, replicas: Sequence[Replica]) -> list[Replica]:
         n = len(replicas)
-        flight_cap = math.ceil(self.load_factor * (sum(r.in_flight for r in replicas) + 1) / n)
+        flight_cap = min(r.in_flight for r in replicas) + self.queue_gap
         recent_cap = math.ceil(self.load_factor * (len(self.recent) + 1) / n)
         out = [
             r
             for r in replicas
-            if r.in_flight < flight_cap and self.recent.count(r.index) < recent_cap
+            if r.in_flight <= flight_cap and self.recent.count(r.index) < recent_cap
         ]
         return out or [min(replicas, key=self.load)]
 

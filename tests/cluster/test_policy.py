@@ -83,7 +83,7 @@ def test_bounded_load_keeps_requests_per_replica_even_under_one_hot_chunk():
     ]
     # the hot chunk's holder takes at most load_factor times its share of the last 32 decisions
     assert picks.count(0) / len(picks) <= 1.25 / 2 + 1 / 32
-    # and requests in flight count: a replica at its share takes no more
+    # and requests in flight count: a replica two requests ahead of the least busy takes no more
     reps[0].in_flight, reps[1].in_flight = 3, 0
     assert choose(policy, RoutingView(prompt=A, chunks=(A,)), reps).replica.index == 1
 
@@ -103,6 +103,8 @@ def test_make_policy_and_replica_specs_fail_loudly():
         make_policy("best", Residency())
     with pytest.raises(ValueError, match="load_factor"):
         BoundedLoad(0.5)
+    with pytest.raises(ValueError, match="queue_gap"):
+        BoundedLoad(queue_gap=-1)
     assert parse_replica("http://h:1=tcp://h:2,tcp://h:3") == (
         "http://h:1",
         "tcp://h:2",
