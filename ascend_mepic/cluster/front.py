@@ -11,7 +11,9 @@ another replica (it never started); a replica that fails while serving a request
 connection drops mid-response) fails that request with a 502, or, in a stream already under
 way, a final error event, and the request is counted in ``failed``. The health loop polls
 ``/health`` of every replica; a replica that goes down is unregistered from the indexer (its
-blocks are dropped there) and forgotten by the policy; when it answers again it is registered
+blocks are dropped there) and forgotten by the policy (a refused connection or an error status
+is down at once; a probe without an answer in 2 s counts only three times in a row, as a busy
+replica can be slow to answer); when it answers again it is registered
 afresh, so a restarted replica starts with no residency and publishes its own.
 """
 
@@ -71,6 +73,9 @@ class ClusterFront:
         self.failed = 0  # requests that reached a replica that failed while serving them
         self.rejected = 0  # requests no healthy replica could take (503)
         self.rerouted = 0  # requests sent elsewhere after a replica refused the connection
+        self.probe_timeout_s = 2.0
+        self.slow_probes_down = 3
+        self._slow: dict[int, int] = {}  # replica -> probes in a row without an answer in time
         self._health_task: asyncio.Task | None = None
         self._health_lock = asyncio.Lock()
 
@@ -79,12 +84,19 @@ class ClusterFront:
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
 
-    async def _probe(self, r: Replica) -> bool:
+    async def _probe(self, r: Replica) -> bool | None:
+        """True: healthy; False: down (refused, or an error status); None: no answer in time.
+
+        A busy replica can miss a probe's deadline (an engine step holds its event loop), so
+        only ``slow_probes_down`` missed probes in a row count as down; a refused connection
+        is down at once."""
         try:
-            resp = await self.http.get(r.url + "/health", timeout=1.0)
-            return resp.status_code == 200
+            resp = await self.http.get(r.url + "/health", timeout=self.probe_timeout_s)
+        except httpx.TimeoutException:
+            return None
         except httpx.HTTPError:
             return False
+        return resp.status_code == 200
 
     async def _set_health(self, r: Replica, up: bool) -> None:
         async with self._health_lock:
@@ -109,6 +121,12 @@ class ClusterFront:
     async def check_health(self) -> None:
         ups = await asyncio.gather(*(self._probe(r) for r in self.replicas))
         for r, up in zip(self.replicas, ups, strict=True):
+            if up is None:
+                self._slow[r.index] = self._slow.get(r.index, 0) + 1
+                if self._slow[r.index] < self.slow_probes_down:
+                    continue
+                up = False
+            self._slow[r.index] = 0
             await self._set_health(r, up)
 
     async def _health_loop(self) -> None:
