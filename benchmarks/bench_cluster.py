@@ -209,7 +209,10 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--pool-fraction", type=float, default=0.5)
     p.add_argument(
-        "--tier-cpu-gib", type=float, default=0.0, help="each replica's LMCache CPU tier"
+        "--tier-cpu-gib",
+        type=float,
+        default=0.05,
+        help="each replica's LMCache CPU tier beside Redis (small: Redis is what is shared)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the JSON results and a plot here")

@@ -173,7 +173,7 @@ class ClusterFront:
                     "routed": r.routed,
                     "in_flight": r.in_flight,
                     "failed": r.failed,
-                }  # fmt: skip
+                }
                 for r in self.replicas
             ],
         }
@@ -205,7 +205,12 @@ class ClusterFront:
     async def _forward(
         self, r: Replica, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> Response:
-        fwd = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+        # no accept-encoding: a non-streamed body is read decoded and sent on as it came
+        fwd = {
+            k: v
+            for k, v in headers.items()
+            if k.lower() not in _HOP_HEADERS and k.lower() != "accept-encoding"
+        }
         req = self.http.build_request("POST", r.url + path, json=body, headers=fwd)
         r.in_flight += 1
         r.routed += 1
