@@ -3,8 +3,8 @@ each its own process on loopback (the cluster benchmark, the fault tests, a try-
 
 Each replica's engine gets its own CPU cores (``VLLM_CPU_OMP_THREADS_BIND``, an even split of
 this process's CPUs): vLLM's automatic binding puts every engine on the same cores, and two
-engines' OpenMP threads spinning on one core starve each other (seen here: a replica's requests
-stalled for 40 s while the other replica worked). With fewer CPUs than replicas nothing is
+engines' OpenMP threads spinning on one core starve each other (one replica's requests stall
+while another works). With fewer CPUs than replicas nothing is
 bound and each engine runs one thread.
 
 Every replica publishes its KV events with a replay endpoint (``tcp://*:PORT``: vLLM's publisher
