@@ -99,7 +99,7 @@ def cmd_kvsim(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from ascend_mepic.entrypoints.server.launch import allow_mepic_plugins
+    from ascend_mepic.entrypoints.plugins import allow_mepic_plugins
 
     environ = {} if args.all_installed else dict(os.environ)
     data_stream().write(allow_mepic_plugins(environ) + "\n")

@@ -84,6 +84,7 @@ def launch_server(model: str, tmp: Path, extra_args: list[str] = ()) -> tuple[st
         os.environ,
         VLLM_CPU_KVCACHE_SPACE="1",
         HF_HUB_OFFLINE="1",
+        VLLM_WORKER_MULTIPROC_METHOD="fork",
         PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     )
     env.pop("VLLM_PLUGINS", None)
@@ -109,6 +110,12 @@ def launch_server(model: str, tmp: Path, extra_args: list[str] = ()) -> tuple[st
         # testable.
         "--max-num-batched-tokens",
         "512",
+        # One vLLM import per server, not three: the worker inside the engine core, which forks
+        # from the API server (VLLM_WORKER_MULTIPROC_METHOD below). Each process's imports cost
+        # about 18 s of CPU on 2 cores; the README's server (tests/test_docs.py) keeps vLLM's
+        # default processes.
+        "--distributed-executor-backend",
+        "uni",
         *extra_args,
     ]
     tmp.mkdir(parents=True, exist_ok=True)

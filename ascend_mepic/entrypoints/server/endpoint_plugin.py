@@ -11,16 +11,13 @@ from fastapi import FastAPI
 from starlette.datastructures import State
 
 from ascend_mepic.config import MepicConfig
+from ascend_mepic.entrypoints.plugins import PLUGIN_NAME
 from ascend_mepic.entrypoints.server.routes import router
 from ascend_mepic.entrypoints.server.service import MepicService
 from ascend_mepic.vllm_integration.route_override import include_router_replacing
 
 logger = logging.getLogger(__name__)
 
-# One name for both entry points, so VLLM_PLUGINS=ascend_mepic allows the pair.
-PLUGIN_NAME = "ascend_mepic"
-ENDPOINT_PLUGINS_GROUP = "vllm.endpoint_plugins"
-ENDPOINT_ENTRY_POINT = "ascend_mepic.entrypoints.server:MepicEndpointPlugin"
 
 
 def mepic_config_from_args(args: Namespace | None) -> MepicConfig:

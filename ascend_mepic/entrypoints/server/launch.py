@@ -10,13 +10,14 @@ import shutil
 import tempfile
 from argparse import Namespace
 from collections.abc import MutableMapping, Sequence
-from importlib.metadata import distributions, entry_points
+from importlib.metadata import entry_points
 
 from ascend_mepic.config import STATS_FILE_ENV, MepicConfig
-from ascend_mepic.entrypoints.server.endpoint_plugin import (
+from ascend_mepic.entrypoints.plugins import (
     ENDPOINT_ENTRY_POINT,
     ENDPOINT_PLUGINS_GROUP,
     PLUGIN_NAME,
+    allow_mepic_plugins,
 )
 from ascend_mepic.offline import worker_cls_for_platform
 from ascend_mepic.vllm_integration.class_names import (
@@ -36,27 +37,6 @@ def endpoint_plugin_installed() -> bool:
         ep.name == PLUGIN_NAME and ep.value == ENDPOINT_ENTRY_POINT
         for ep in entry_points(group=ENDPOINT_PLUGINS_GROUP)
     )
-
-
-def allow_mepic_plugins(environ: MutableMapping[str, str] = os.environ) -> str:
-    """Add ``ascend_mepic`` to ``VLLM_PLUGINS`` (endpoint plugins load only when named).
-
-    When unset, vLLM loads every general/platform/stat-logger plugin; setting the variable
-    would turn that into an allowlist, so it lists all of them to keep that behaviour.
-    """
-    current = environ.get("VLLM_PLUGINS")
-    if current is None:
-        names = {
-            ep.name
-            for dist in distributions()
-            for ep in dist.entry_points
-            if ep.group.startswith("vllm.") and ep.group != ENDPOINT_PLUGINS_GROUP
-        }
-    else:
-        names = {n for n in current.split(",") if n}
-    names.add(PLUGIN_NAME)
-    environ["VLLM_PLUGINS"] = ",".join(sorted(names))
-    return environ["VLLM_PLUGINS"]
 
 
 def apply_mepic_defaults(
