@@ -8,9 +8,12 @@ its position through the request's block table (``compute_new_slot_mapping`` in 
 pos % B``, which is right only where position = token index. A MEPIC sequence's token ``i``
 sits at a padded index with a logical position, neither of them ``i``, and its table lists
 shared chunk blocks; the positions vLLM hands the drafter are the logical positions MEPIC
-wrote into the runner's inputs. With vLLM's proposer unchanged the drafter wrote its KV at
-slots of those shared blocks and its attention (MEPIC's builders, which had no step tables)
-read identity tables shorter than its batch: the engine crashed in the first step.
+wrote into the runner's inputs, so vLLM's slots would address the table by logical position.
+With vLLM's proposer unchanged the first step failed before any drafter KV was written: the
+drafter's MEPIC builders had no step tables and fell back to identity tables built from
+``CommonAttentionMetadata.positions``, which the drafter's metadata does not carry
+(``TypeError`` in ``MepicAttentionMetadataBuilder.build``; an earlier trial, before the CPU
+drafter-step fix, ended in a segmentation fault).
 
 ``MepicDraftModelProposer`` keeps vLLM's drafting arithmetic in token indices (the target's
 indices of the step, not its logical positions) and, at the two places vLLM turns indices
