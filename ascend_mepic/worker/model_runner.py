@@ -323,8 +323,9 @@ class MepicRunnerMixin:
 
     def load_model(self, *args, **kwargs):
         out = super().load_model(*args, **kwargs)
-        drafter = getattr(self, "drafter", None)
-        record_model_rope(self.model, getattr(drafter, "model", None))
+        drafter = getattr(self, "drafter", None)  # MEPIC's attention runs a draft model too
+        draft_model = drafter.model if isinstance(drafter, MepicDraftModelProposer) else None
+        record_model_rope(self.model, draft_model)
         if self.mepic_blend_layer is not None:
             blend.install_layer_gates(self.model, self.mepic_blend_layer)
         return out
