@@ -10,9 +10,10 @@ bfloat16``: weights, activations and KV cache in bfloat16, the dtype models are 
   paragraph, prefix caching only the shared system prompt, full recompute nothing.
 * Warm-up TTFT: the same over the warm-up pass, whose requests compile the chunks (MEPIC) the
   first time each paragraph is seen: what a chunk's first use costs.
-* Speculation (``mepic-ngram``): vLLM's n-gram drafting on MEPIC; its acceptance rate is
-  printed under the table (``--configs mepic mepic-ngram`` puts decode with and without it
-  side by side).
+* Speculation (``mepic-ngram``, ``mepic-draft``): vLLM's n-gram drafting, or a draft model (the
+  served model drafting for itself, ``--draft-model`` another), on MEPIC; the acceptance rate
+  is printed under the table (``--configs mepic mepic-ngram mepic-draft`` puts decode with and
+  without it side by side).
 * Decode: tokens/s of a warm batch, (time for ``--decode-tokens`` tokens - time for 1 token),
   the median of ``--decode-rounds`` rounds,
   MEPIC (RoPE applied to K at read time, its native CPU kernel by default) vs stock vLLM
@@ -37,6 +38,9 @@ from ascend_mepic.eval.outputs import failures_reported, positive, timed_generat
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}  # fmt: skip
+# A draft model: the served model itself unless ``--draft-model`` names another (its tokenizer
+# and KV geometry must be the served model's).
+DRAFT = {"method": "draft_model", "num_speculative_tokens": 3}
 CONFIGS = {
     "full": {"mepic": False, "prefix": False},
     "prefix": {"mepic": False, "prefix": True},
@@ -45,6 +49,8 @@ CONFIGS = {
     "mepic-unanchored": {"mepic": True, "prefix": True, "options": {"chunk_anchor": "none"}},
     # n-gram (prompt lookup) speculation on MEPIC: answers copy spans of the cached paragraphs
     "mepic-ngram": {"mepic": True, "prefix": True, "speculative": NGRAM},
+    # a draft model on MEPIC: its batches placed by the target's token maps
+    "mepic-draft": {"mepic": True, "prefix": True, "speculative": DRAFT},
 }
 
 
@@ -77,7 +83,10 @@ def worker(job: dict) -> dict:
         mepic_llm_kwargs(**options) if job["mepic"] else {"enable_prefix_caching": job["prefix"]}
     )
     if job.get("speculative"):  # vLLM's counters of drafted and accepted tokens need its stats
-        kwargs.update(speculative_config=job["speculative"], disable_log_stats=False)
+        spec = dict(job["speculative"])
+        if spec["method"] == "draft_model":
+            spec.setdefault("model", job.get("draft_model") or job["model"])
+        kwargs.update(speculative_config=spec, disable_log_stats=False)
     llm = LLM(
         model=job["model"],
         dtype=job.get("dtype", "float32"),
@@ -201,6 +210,7 @@ def main() -> None:
     p.add_argument("--decode-rounds", type=int, default=3, help="decode timed N times, median")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--draft-model", help="mepic-draft's drafter (default: the model itself)")
     p.add_argument(
         "--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
         help="configurations to run (ratios are against the first listed)",
@@ -250,6 +260,7 @@ def main() -> None:
                     "decode_batch": args.decode_batch,
                     "decode_rounds": args.decode_rounds,
                     "dtype": args.dtype,
+                    "draft_model": args.draft_model and str(resolve_model(args.draft_model)),
                     "config": name,
                     **CONFIGS[name],
                 }

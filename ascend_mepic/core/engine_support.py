@@ -16,19 +16,20 @@ from ascend_mepic.vllm_integration.core_types import FullAttentionSpec, KVCacheC
 # ids alone; its verification step is a decode step of 1 + k query tokens per request, which
 # MEPIC's token map places after the layout like any decode token (a rejected token's slot is
 # rewritten by the next step's token at the same index, and causality by index keeps stale KV
-# out of attention).
-SUPPORTED_SPECULATION = ("ngram",)
-_DRAFTER_MODEL = (
-    "the drafter is a second model whose layers get KV slots and attention metadata from "
-    "vLLM's proposer, computed from vLLM's token indices, not MEPIC's token map, and whose KV "
-    "for chunk tokens would need a compile of its own; it would take placing the drafter's "
-    "steps through MEPIC's runner and compiling chunks for the drafter's layers too"
+# out of attention). A draft model's batches are placed by the same token maps
+# (``vllm_integration.draft_proposer``, ``worker.draft_placement``): its layers' KV sits in the
+# same blocks, in caches of their own, so its pass over a step's chunk compiles writes its
+# canonical chunk KV into the chunk's shared blocks.
+SUPPORTED_SPECULATION = ("ngram", "draft_model")
+_DRAFTER_HIDDEN = (
+    "the drafter reads the target's hidden states per position, and its KV slots and "
+    "attention metadata come from vLLM's proposer in vLLM's token indices (MEPIC places only "
+    "the draft model's, method 'draft_model')"
 )
 SPECULATION_REFUSED = {
-    "draft_model": _DRAFTER_MODEL,
-    "eagle": _DRAFTER_MODEL + " (EAGLE also reads the target's hidden states per position)",
-    "eagle3": _DRAFTER_MODEL + " (EAGLE also reads the target's hidden states per position)",
-    "mtp": _DRAFTER_MODEL,
+    "eagle": "EAGLE: " + _DRAFTER_HIDDEN,
+    "eagle3": "EAGLE: " + _DRAFTER_HIDDEN,
+    "mtp": "MTP: " + _DRAFTER_HIDDEN,
     "medusa": "untested with MEPIC: Medusa heads read the target's hidden states",
 }
 _OTHER_SPECULATION = "untested with MEPIC (supported: " + ", ".join(SUPPORTED_SPECULATION) + ")"
@@ -60,6 +61,8 @@ def unsupported_features(vllm_config: Any, policy: Policy, tier_enabled: bool) -
             f"speculative decoding with method {method!r}: "
             + SPECULATION_REFUSED.get(method, _OTHER_SPECULATION)
         )
+    if method == "draft_model":
+        reasons.extend(_draft_model_refusals(policy, tier_enabled))
     if getattr(vllm_config.scheduler_config, "async_scheduling", False):
         reasons.append(
             "async scheduling: the step plan must describe the step the worker runs next"
@@ -87,6 +90,29 @@ def unsupported_features(vllm_config: Any, policy: Policy, tier_enabled: bool) -
         reasons.append(
             f"the LMCache tier with tensor parallelism ({tp}): tier entries hold one rank's KV "
             "per chunk"
+        )
+    return reasons
+
+
+def _draft_model_refusals(policy: Policy, tier_enabled: bool) -> list[str]:
+    """Where a draft model's KV would not follow the target's: the host store and the tier
+    copy chunk KV per layer of the target's geometry and were not built with a drafter's
+    layers beside it; CacheBlend's selection is made per step for the target's batch only."""
+    reasons = []
+    if policy.loads_kv:
+        reasons.append(
+            f"a draft model with policy {policy.name!r}: the host store's chunk copies are "
+            "untested with a drafter's layers"
+        )
+    if policy.dynamic:
+        reasons.append(
+            f"a draft model with policy {policy.name!r}: CacheBlend selects the target's rows "
+            "per step, the drafter's batch has no selection"
+        )
+    if tier_enabled:
+        reasons.append(
+            "a draft model with the LMCache tier: tier entries would hold the drafter's layers "
+            "beside the target's (untested)"
         )
     return reasons
 

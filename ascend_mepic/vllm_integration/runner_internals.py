@@ -181,6 +181,42 @@ def fix_cpu_rejection_kernels() -> list[str]:
     return fixed
 
 
+def fix_cpu_drafting_kernels() -> list[str]:
+    """Point vLLM 0.30.0's drafter step dispatcher at its own CPU kernel (draft models).
+
+    Why: as for the rejection sampler (``fix_cpu_rejection_kernels``), ``CPUModelRunner.
+    _postprocess_triton`` rebinds the module name ``eagle_step_slot_mapping_metadata_kernel``
+    in ``vllm.v1.spec_decode.utils`` but not the dispatcher that calls it,
+    ``_eagle_step_slot_mapping_metadata``, which every draft after a proposer's first (more
+    than one speculative token) goes through: it still held the Triton placeholder. The C++
+    kernel names the block table's stride ``stride`` and takes no ``input_batch_size`` (the
+    CPU runner never pads the drafter's batch), adapted here. Returns the dispatchers rebound
+    (none where Triton is present)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:
+        return []
+    import vllm.utils.cpu_triton_utils as cpu_kernels
+    import vllm.v1.spec_decode.utils as spec_utils
+
+    def eagle_step(
+        positions, block_table, block_table_stride, seq_lens, out_clamped_positions,
+        out_slot_mapping, block_size, max_model_len, n_blocks_per_req, PAD_ID,  # noqa: N803
+        batch_size=None, input_batch_size=None,
+    ):  # fmt: skip
+        return cpu_kernels.eagle_step_slot_mapping_metadata_kernel.func(
+            positions, block_table, block_table_stride, seq_lens, out_clamped_positions,
+            out_slot_mapping, block_size, max_model_len, n_blocks_per_req, PAD_ID, batch_size,
+        )  # fmt: skip
+
+    dispatcher = getattr(spec_utils, "_eagle_step_slot_mapping_metadata", None)
+    if dispatcher is None or not hasattr(dispatcher, "kernel"):
+        return []
+    dispatcher.kernel = type(cpu_kernels.eagle_step_slot_mapping_metadata_kernel)(eagle_step)
+    dispatcher.__dict__.pop("_kernel_arg_names", None)  # a cached_property
+    return ["_eagle_step_slot_mapping_metadata"]
+
+
 def quiet_numba_threads() -> None:
     """Run vLLM's n-gram drafter (numba, ``prange``) on numba's own ``workqueue`` threads.
 

@@ -28,8 +28,14 @@ from ascend_mepic.tier import transfer as kv_transfer
 from ascend_mepic.tier.host_store import StoredChunk, host_store
 from ascend_mepic.tier.worker_io import WorkerTier
 from ascend_mepic.vllm_integration import channel
+from ascend_mepic.vllm_integration.draft_proposer import (
+    MepicDraftModelProposer,
+    install_drafter,
+    is_vllm_draft_model_proposer,
+)
 from ascend_mepic.vllm_integration.runner_internals import (
     STEP_NOT_PLACED,
+    fix_cpu_drafting_kernels,
     fix_cpu_rejection_kernels,
     hand_step_tables,
     quiet_numba_threads,
@@ -38,6 +44,7 @@ from ascend_mepic.vllm_integration.runner_internals import (
     widen_block_table,
 )
 from ascend_mepic.worker import blend, step
+from ascend_mepic.worker.draft_placement import DraftPlacement
 from ascend_mepic.worker.nope_rotary import record_model_rope
 from ascend_mepic.worker.token_map import TokenMap
 from ascend_mepic.worker.token_pool import TokenMapPool
@@ -74,10 +81,28 @@ class MepicRunnerMixin:
         spec = vllm_config.speculative_config
         if self.mepic_enabled and getattr(spec, "method", None) == "ngram":
             self._lookup_prompts = {}
+        if self.mepic_enabled and is_vllm_draft_model_proposer(getattr(self, "drafter", None)):
+            self._install_mepic_drafter(vllm_config)
         if policy.dynamic:
             if not vllm_config.model_config.enforce_eager:
                 raise ValueError(f"policy {policy.name!r} needs enforce_eager=True")
             self.mepic_blend_layer = policy.check_layer
+
+    def _install_mepic_drafter(self, vllm_config) -> None:
+        """A draft model's batches placed by this runner's token maps (``draft_placement``),
+        so the drafter attends over each request's logical context, chunk tokens included."""
+        draft = vllm_config.speculative_config.draft_model_config
+        target = (self.model_config.get_num_kv_heads(self.parallel_config),
+                  self.model_config.get_head_size())  # fmt: skip
+        if (draft.get_num_kv_heads(self.parallel_config), draft.get_head_size()) != target:
+            raise ValueError(
+                "MEPIC needs a draft model with the target's KV heads and head size: its caches "
+                "share the target's blocks, and chunk moves and loads view every layer's cache "
+                "with one geometry"
+            )
+        self._draft_placement = DraftPlacement(self._token_pool)
+        drafter = MepicDraftModelProposer(vllm_config, self.device, self, self._draft_placement)
+        install_drafter(self, drafter)
 
     def mepic_shutdown(self) -> None:
         """The worker is shutting down: let the tier's latest puts reach its shared backend."""
@@ -88,6 +113,7 @@ class MepicRunnerMixin:
     def _init_placement_state(self) -> None:
         """The token maps of live sequences (a pool row each; see ``token_pool``)."""
         self._token_pool = TokenMapPool(self.mepic_block_size)
+        self._draft_placement: DraftPlacement | None = None
         self._lookup_prompts: dict[str, tuple[np.ndarray, int]] | None = None
 
     def mepic_kv_buffers(self) -> list[torch.Tensor]:
@@ -145,7 +171,7 @@ class MepicRunnerMixin:
                 )
             tmap = TokenMap.from_placement(placement, self.mepic_block_size)
             ratio = placement.blend[0] if placement.blend is not None else None
-            self._token_pool.add(req_id, tmap, ratio)
+            self._token_pool.add(req_id, tmap, ratio, decodes=not placement.compile)
             if self._lookup_prompts is not None and not placement.compile:
                 real = (t for seg in placement.layout.segments for t in seg.token_ids)
                 self._lookup_prompts[req_id] = (np.fromiter(real, np.int64), received)
@@ -287,6 +313,8 @@ class MepicRunnerMixin:
             self._token_pool, req_ids, query_start_loc, positions, block_table,
             self.mepic_blend_layer,
         )  # fmt: skip
+        if self._draft_placement is not None:  # before MEPIC rewrites vLLM's indices
+            self._draft_placement.note_step(req_ids, positions)
         if placed.any_mapped:
             rewrite_positions_and_slots(
                 self, num_tokens, placed.positions, placed.slots, placed.mapped
@@ -295,7 +323,9 @@ class MepicRunnerMixin:
 
     def load_model(self, *args, **kwargs):
         out = super().load_model(*args, **kwargs)
-        record_model_rope(self.model)
+        drafter = getattr(self, "drafter", None)  # MEPIC's attention runs a draft model too
+        draft_model = drafter.model if isinstance(drafter, MepicDraftModelProposer) else None
+        record_model_rope(self.model, draft_model)
         if self.mepic_blend_layer is not None:
             blend.install_layer_gates(self.model, self.mepic_blend_layer)
         return out
@@ -319,8 +349,11 @@ class MepicCPUModelRunner(MepicRunnerMixin, CPUModelRunner):
         self._init_mepic(vllm_config)
 
     def _postprocess_triton(self) -> None:
-        """vLLM's CPU kernel rebinding, and the rejection sampler's it misses (speculative
-        decoding; ``runner_internals.fix_cpu_rejection_kernels`` says why)."""
+        """vLLM's CPU kernel rebinding, and the rejection sampler's and the drafter step's it
+        misses (speculative decoding; ``runner_internals.fix_cpu_rejection_kernels`` and
+        ``fix_cpu_drafting_kernels`` say why)."""
         super()._postprocess_triton()
         if self.speculative_config is not None:
             fix_cpu_rejection_kernels()
+            if self.speculative_config.uses_draft_model():
+                fix_cpu_drafting_kernels()

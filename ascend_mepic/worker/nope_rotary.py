@@ -51,17 +51,21 @@ def _one_rope(specs: list[RopeSpec]) -> RopeSpec:
     return first
 
 
-def record_model_rope(model: torch.nn.Module) -> RopeSpec:
+def record_model_rope(model: torch.nn.Module, drafter: torch.nn.Module | None = None) -> RopeSpec:
     """Record the RoPE of the model a runner just loaded, read from its NoPE rotary modules.
 
     Read from the model rather than from construction records: a process may load one model
     after another (an ``LLM`` shut down, then another built), and vLLM caches rotary modules
     across loads, so the construction records can hold an earlier model's RoPE or miss this one's.
+    A draft model's layers use the same attention backend, which applies one RoPE: a drafter
+    whose RoPE differs from the model's is refused here.
     """
     global _model_rope
     specs = [
         RopeSpec.from_module(m, m.head_size)
-        for m in model.modules()
+        for module in (model, drafter)
+        if module is not None
+        for m in module.modules()
         if hasattr(type(m), "mepic_base_name")
     ]
     _model_rope = _one_rope(specs)

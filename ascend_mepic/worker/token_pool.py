@@ -34,6 +34,7 @@ class TokenMapPool:
         self.real_len = np.zeros(rows, dtype=np.int64)
         self.blend_ratio = np.zeros(rows, dtype=np.float64)
         self.blends = np.zeros(rows, dtype=bool)
+        self.decodes = np.ones(rows, dtype=bool)  # False for chunk compiles (never decode)
         # [rows, in-context tokens]
         self.token_padded = np.zeros((rows, 1), dtype=np.int32)
         self.token_position = np.zeros((rows, 1), dtype=np.int32)
@@ -50,8 +51,15 @@ class TokenMapPool:
     def __len__(self) -> int:
         return len(self._row_of)
 
-    def add(self, req_id: str, tmap: TokenMap, blend_ratio: float | None = None) -> None:
-        """Take a sequence's map (a resumed sequence's new map replaces its old one)."""
+    def add(
+        self,
+        req_id: str,
+        tmap: TokenMap,
+        blend_ratio: float | None = None,
+        decodes: bool = True,
+    ) -> None:
+        """Take a sequence's map (a resumed sequence's new map replaces its old one);
+        ``decodes`` is False for a chunk compile, whose tokens end with the chunk."""
         if tmap.block_size != self.block_size:
             raise ValueError(f"a block-{tmap.block_size} map in a block-{self.block_size} pool")
         row = self._row_of.get(req_id)
@@ -66,6 +74,7 @@ class TokenMapPool:
         self.real_len[row] = tmap.real_len
         self.blends[row] = blend_ratio is not None
         self.blend_ratio[row] = blend_ratio or 0.0
+        self.decodes[row] = decodes
         self.token_padded[row, :n] = tmap.padded
         self.token_position[row, :n] = tmap.position
         self.token_in_chunk[row, :n] = tmap.in_chunk
@@ -141,6 +150,7 @@ class TokenMapPool:
             "real_len",
             "blend_ratio",
             "blends",
+            "decodes",
             "token_padded",
             "token_position",
             "token_in_chunk",

@@ -57,24 +57,41 @@ def test_prefix_caching_off_is_refused_where_chunks_are_shared(model):
 
 def test_ngram_speculation_is_supported(model):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-    assert SUPPORTED_SPECULATION == ("ngram",)
+    assert SUPPORTED_SPECULATION == ("ngram", "draft_model")
     assert reasons(config(model, speculative_config=spec)) == ""
 
 
-def test_draft_model_speculation_is_refused_with_its_reason(model):
-    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
-    with pytest.raises(UnsupportedEngineFeature, match="'draft_model': the drafter is a second"):
-        check_engine_supported(config(model, speculative_config=spec), MEPIC, tier_enabled=False)
+DRAFT = {"method": "draft_model", "num_speculative_tokens": 2}
+
+
+def test_draft_model_speculation_is_supported_under_shared_placement(model):
+    spec = config(model, speculative_config={**DRAFT, "model": model})
+    assert reasons(spec) == ""
+    assert reasons(spec, parse_policy("mepic-block")) == ""
+
+
+@pytest.mark.parametrize(
+    ("policy", "tier", "says"),
+    [
+        ("epic-16", False, "a draft model with policy 'epic-16': the host store"),
+        ("cacheblend-15", False, "a draft model with policy 'cacheblend-15': CacheBlend"),
+        ("mepic", True, "a draft model with the LMCache tier"),
+    ],
+)
+def test_draft_model_is_refused_where_its_kv_would_not_follow(model, policy, tier, says):
+    spec = config(model, speculative_config={**DRAFT, "model": model})
+    with pytest.raises(UnsupportedEngineFeature, match=says):
+        check_engine_supported(spec, parse_policy(policy), tier_enabled=tier)
 
 
 @pytest.mark.parametrize(
     ("method", "says"),
     [
-        ("eagle", "hidden states"),
-        ("eagle3", "hidden states"),
-        ("mtp", "the drafter is a second model"),
+        ("eagle", "EAGLE: the drafter reads the target's hidden states"),
+        ("eagle3", "EAGLE: the drafter reads the target's hidden states"),
+        ("mtp", "MTP: the drafter reads the target's hidden states"),
         ("medusa", "Medusa heads"),
-        ("suffix", "untested with MEPIC (supported: ngram)"),
+        ("suffix", "untested with MEPIC (supported: ngram, draft_model)"),
     ],
 )
 def test_other_speculation_kinds_are_refused(model, method, says):

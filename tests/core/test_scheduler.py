@@ -271,8 +271,8 @@ def test_mepic_refuses_a_step_too_small_for_a_compile(tiny_model):
         (lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2), "pipeline"),
         (lambda c: setattr(c.scheduler_config, "async_scheduling", True), "async scheduling"),
         (
-            lambda c: setattr(c, "speculative_config", SimpleNamespace(method="draft_model")),
-            "speculative decoding with method 'draft_model'",
+            lambda c: setattr(c, "speculative_config", SimpleNamespace(method="eagle")),
+            "speculative decoding with method 'eagle'",
         ),
         (lambda c: setattr(c, "lora_config", object()), "LoRA"),
         (lambda c: setattr(c.parallel_config, "tensor_parallel_size", 2), "host store"),

@@ -49,3 +49,11 @@ def test_one_model_with_two_ropes_is_still_refused():
 def test_a_model_without_nope_rotary_modules_is_refused():
     with pytest.raises(RuntimeError, match="found no rotary embedding"):
         rope.record_model_rope(torch.nn.Linear(2, 2))
+
+
+def test_a_draft_model_must_share_the_models_rope():
+    """The drafter's layers use the same attention backend, which applies one RoPE."""
+    model = torch.nn.ModuleList([_nope(10000.0)])
+    assert rope.record_model_rope(model, torch.nn.ModuleList([_nope(10000.0)])) is not None
+    with pytest.raises(UnsupportedRopeError, match="different RoPE parameters"):
+        rope.record_model_rope(model, torch.nn.ModuleList([_nope(1e6)]))
