@@ -145,11 +145,13 @@ def run_arm(args, model, requests, pool_bytes, policy, tier, workdir) -> dict:
         "--dtype", "float32", "--enforce-eager", "--block-size", str(args.block_size),
         "--max-model-len", "2048", "--kv-cache-memory-bytes", str(pool_bytes),
         "--additional-config", json.dumps({"mepic": mepic}),
-        # the worker inside the engine core, which forks from the API server: two processes
-        # per replica instead of three (an idle multiprocess worker polls its queue)
+        # the worker inside the engine core: two processes per replica instead of three (an
+        # idle multiprocess worker polls its queue). vLLM's CPU platform turns `uni` back into
+        # `mp` unless VLLM_ENABLE_V1_MULTIPROCESSING=0, which the API server's AsyncLLM ignores
+        # (its engine core is always a process of its own). Runs before 2026-12-02 had three.
         "--distributed-executor-backend", "uni",
     ]  # fmt: skip
-    env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     cluster = LocalCluster(model, args.replicas, workdir / f"{policy}-{tier}", serve, env)
     try:
         t0 = time.monotonic()

@@ -24,9 +24,6 @@ BASE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    # Tensor-parallel jobs' workers fork from the host, which has vLLM imported (spawned, each
-    # paid the imports again: about 18 s of CPU on 2 cores).
-    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
 }
 JOB_TIMEOUT_S = 600
 

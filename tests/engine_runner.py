@@ -79,11 +79,9 @@ def build_llm(job: dict, LLM):
 
         kwargs["kv_events_config"] = KVEventsConfig(**job["kv_events"])
     # vLLM's CPU platform replaces kv_cache_memory_bytes with VLLM_CPU_KVCACHE_SPACE where that
-    # is set (the hosts set it): empty, it is ignored, so the job's size holds (zeroing the
-    # hosts' 1 GiB took 0.9 s of each engine's start).
-    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-    if job.get("kv_cache_bytes"):
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = ""
+    # is set (the hosts set it): unset while the engine is built, the job's size holds (zeroing
+    # the hosts' 1 GiB took 0.9 s of each engine's start).
+    space = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None) if job.get("kv_cache_bytes") else None
     try:
         return _llm(job, LLM, kwargs)
     finally:

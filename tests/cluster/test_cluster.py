@@ -74,11 +74,13 @@ def cluster(tmp_path_factory):
         "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
         "--max-model-len", "1024", "--kv-cache-memory-bytes", "64M",
         "--additional-config", json.dumps({"mepic": {}}),
-        # one process per replica (the engine core and the worker inside the API server): each
-        # process pays vLLM's imports, and three replica starts are this test's cost
+        # two processes per replica, not three: the worker inside the engine core. Each process
+        # pays vLLM's imports, and three replica starts are this test's cost. vLLM's CPU platform
+        # turns `uni` back into `mp` unless VLLM_ENABLE_V1_MULTIPROCESSING=0, which the API
+        # server's AsyncLLM ignores (its engine core is always a process of its own).
         "--distributed-executor-backend", "uni",
     ]  # fmt: skip
-    env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}  # the engine core forks: no second import
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     c = LocalCluster(model, 2, tmp_path_factory.mktemp("cluster"), serve, env, 240)
     try:
         c.start()

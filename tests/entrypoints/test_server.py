@@ -84,7 +84,7 @@ def launch_server(model: str, tmp: Path, extra_args: list[str] = ()) -> tuple[st
         os.environ,
         VLLM_CPU_KVCACHE_SPACE="1",
         HF_HUB_OFFLINE="1",
-        VLLM_WORKER_MULTIPROC_METHOD="fork",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # with `uni` below; AsyncLLM's core stays a process
         PYTHONPATH=os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     )
     env.pop("VLLM_PLUGINS", None)
@@ -110,10 +110,10 @@ def launch_server(model: str, tmp: Path, extra_args: list[str] = ()) -> tuple[st
         # testable.
         "--max-num-batched-tokens",
         "512",
-        # One vLLM import per server, not three: the worker inside the engine core, which forks
-        # from the API server (VLLM_WORKER_MULTIPROC_METHOD below). Each process's imports cost
-        # about 18 s of CPU on 2 cores; the README's server (tests/test_docs.py) keeps vLLM's
-        # default processes.
+        # Two processes per server, not three: the worker inside the engine core. Each process's
+        # imports cost about 18 s of CPU on 2 cores. vLLM's CPU platform turns `uni` back into
+        # `mp` unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (set above), which the API server's
+        # AsyncLLM ignores. The README's server (tests/test_docs.py) keeps vLLM's defaults.
         "--distributed-executor-backend",
         "uni",
         *extra_args,
