@@ -110,11 +110,13 @@ test-ascend:
 # The triton-ascend kernel's launches through triton-ascend's ttir and ttadapter stages, then
 # BiSheng IR's bishengir-compile (ascendnpu-ir, in the Ascend lock) to the final HIVM for
 # Ascend910B2 and B3, printing each launch's planned unified buffer and L1 against the chip's
-# (tests/ops/test_ascend_compile.py; `make test` runs it too, quietly). No NPU, no CANN: the run
-# stops where CANN's hivmc would make the binary.
+# (tests/ops/test_ascend_compile.py; `make test` runs it too, quietly, answering unchanged
+# launches from the HIVM cache in ~/.cache/ascend_mepic/hivm: tests/ops/ascend_hivm.py). No NPU,
+# no CANN: the run stops where CANN's hivmc would make the binary. Here every launch compiles.
 test-ascend-compile:
 	scripts/test_ascend.sh --prepare
-	env -u TRITON_INTERPRET TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv-ascend/bin/python -m pytest -q -s \
+	env -u TRITON_INTERPRET TORCH_DEVICE_BACKEND_AUTOLOAD=0 ASCEND_HIVM_CACHE=0 \
+		.venv-ascend/bin/python -m pytest -q -s \
 		-p no:cacheprovider tests/ops/test_ascend_compile.py
 
 # On a 910B (UNTESTED ON HARDWARE): `ascend-mepic doctor`, then tests/npu (kernel numerics against

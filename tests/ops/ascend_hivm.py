@@ -20,6 +20,7 @@ the HIVM module's ``dlti.target_system_spec`` (UB 192 KiB, L1 512 KiB on every 9
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -189,12 +190,56 @@ class FinalHivm:
     crashes: int
 
 
+def _cache_path(text: str, flags: list[str]) -> Path | None:
+    """Where a successful run of this compiler on this input with these flags is kept, or None
+    with the cache off (``ASCEND_HIVM_CACHE=0``, as ``make test-ascend-compile`` runs).
+
+    Why: the HIVM stage was about 250 of the 270 CPU-seconds of the compile test, every
+    ``make test``, for the same launches. The run is a function of the compiler (its binary's
+    SHA-256), the flags and the ``.ttadapter`` text, as Triton's own cache keys a ptxas run (the
+    CUDA compile test's), so a changed kernel, launch or compiler compiles again; failures are
+    never kept."""
+    if os.environ.get("ASCEND_HIVM_CACHE", "1") == "0":
+        return None
+    binary = compiler_path()
+    digest = hashlib.sha256()
+    for part in (_file_digest(binary), *flags, text):
+        digest.update(part.encode() + b"\0")
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return root / "ascend_mepic" / "hivm" / f"{digest.hexdigest()}.json"
+
+
+_DIGESTS: dict[Path, str] = {}
+
+
+def _file_digest(path: Path) -> str:
+    if path not in _DIGESTS:
+        _DIGESTS[path] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return _DIGESTS[path]
+
+
 def run_compiler(text: str, metadata: dict[str, Any], arch: str, display: bool = True) -> FinalHivm:
     """bishengir-compile on a prepared ``.ttadapter`` (``strip_mix_mode``) with the backend's
     flags, ``--save-temps`` and (``display``) ``--enable-memory-display``. Raises ``HivmError``
     with the compiler's output unless the only error is the missing ``hivmc`` and the final HIVM
-    exists."""
+    exists. A successful run is kept in the cache (``_cache_path``) and answered from it."""
     flags = [*backend_flags(metadata, arch), *(["--enable-memory-display"] if display else [])]
+    cache = _cache_path(text, flags)
+    if cache is not None and cache.exists():
+        kept = json.loads(cache.read_text())
+        return FinalHivm(kept["hivm"], kept["display"], kept["seconds"], kept["crashes"])
+    run = _run_compiler(text, flags)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"hivm": run.hivm, "display": run.display,
+                                   "seconds": run.seconds, "crashes": run.crashes}))  # fmt: skip
+        tmp.replace(cache)  # whole or absent, with two compiles at a time
+    return run
+
+
+def _run_compiler(text: str, flags: list[str]) -> FinalHivm:
+    arch = next((f.split("=", 1)[1] for f in flags if f.startswith("--target=")), "?")
     for crashes in range(CRASH_RETRIES + 1):
         with tempfile.TemporaryDirectory(prefix="hivm-") as tmp:
             work = Path(tmp)

@@ -15,7 +15,9 @@ The HIVM stage (``tests/ops/ascend_hivm.py``) runs as triton-ascend 3.2.0's back
 it; every distinct launch is compiled once, for 910B3, in ``ASCEND_HIVM_JOBS`` (default 2)
 processes started as soon as its ``.ttadapter`` exists, so they overlap the Python stages. 910B1,
 B2 and B4 are compiled for two launches: their HIVM is B3's but for the core counts.
-``make test-ascend-compile`` prints the per-launch table (``test_hivm_table``).
+``make test-ascend-compile`` prints the per-launch table (``test_hivm_table``) and compiles
+every launch; ``make test`` answers a launch whose input, flags and compiler are unchanged from
+the HIVM cache (``ascend_hivm._cache_path``).
 
 Needs triton-ascend (``make test-ascend`` runs it, without ``TRITON_INTERPRET``); skipped elsewhere.
 Passing says that these stages accept the kernels and that the compiler's memory plan fits:
