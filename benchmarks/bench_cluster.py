@@ -148,7 +148,7 @@ def run_arm(args, model, requests, pool_bytes, policy, tier, workdir) -> dict:
         # the worker inside the engine core: two processes per replica instead of three (an
         # idle multiprocess worker polls its queue). vLLM's CPU platform turns `uni` back into
         # `mp` unless VLLM_ENABLE_V1_MULTIPROCESSING=0, which the API server's AsyncLLM ignores
-        # (its engine core is always a process of its own). Runs before 2026-12-02 had three.
+        # (its engine core is always a process of its own).
         "--distributed-executor-backend", "uni",
     ]  # fmt: skip
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

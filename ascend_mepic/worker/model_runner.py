@@ -21,6 +21,7 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ascend_mepic.config import MepicConfig
+from ascend_mepic.core.errors import MepicUnsupportedError
 from ascend_mepic.core.plan import ChunkMove, ChunkSave, HostLoad, StepPlan, StepPlanError, TierLoad
 from ascend_mepic.core.request_limits import table_width
 from ascend_mepic.ops.layout import block_view
@@ -95,7 +96,7 @@ class MepicRunnerMixin:
         target = (self.model_config.get_num_kv_heads(self.parallel_config),
                   self.model_config.get_head_size())  # fmt: skip
         if (draft.get_num_kv_heads(self.parallel_config), draft.get_head_size()) != target:
-            raise ValueError(
+            raise MepicUnsupportedError(
                 "MEPIC needs a draft model with the target's KV heads and head size: its caches "
                 "share the target's blocks, and chunk moves and loads view every layer's cache "
                 "with one geometry"
