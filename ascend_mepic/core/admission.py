@@ -135,17 +135,6 @@ class Admission(ABC):
         """``KVCacheManager.cache_blocks``: the request's full private blocks up to its first
         ``num_computed_tokens`` (as vLLM counts them) into vLLM's prefix cache."""
 
-    def _make_room(self, need: int, reserved: int, protect: list[ChunkEntry]) -> bool:
-        """``need`` free blocks beside ``reserved``, evicting idle chunks (not ``protect``) if
-        that suffices; False (nothing evicted) if it cannot."""
-        free = self.block_pool.get_num_free_blocks() - reserved
-        if need <= free:
-            return True
-        if need > free + self.chunk_cache.lru.evictable_blocks(protect):
-            return False
-        self.chunk_cache.evict_until_free(need + reserved, protect)
-        return True
-
     def _residency(
         self, st: RequestState
     ) -> tuple[dict[int, ChunkEntry], dict[ChunkId, list[int]], list[Residency]] | None:

@@ -363,6 +363,19 @@ class ChunkCache:
         self._free(entry)
         self.stats.evicted_blocks += self.block_pool.get_num_free_blocks() - before
 
+    def make_room(self, need: int, reserved: int, protect: Iterable[ChunkEntry] = ()) -> bool:
+        """``need`` free blocks beside ``reserved``, evicting idle chunks (not ``protect``) if
+        that suffices; False, with nothing evicted, if even evicting every idle chunk would not:
+        an admission then waits rather than evicting chunks for nothing."""
+        protect = list(protect)
+        free = self.block_pool.get_num_free_blocks() - reserved
+        if need <= free:
+            return True
+        if need > free + self.lru.evictable_blocks(protect):
+            return False
+        self.evict_until_free(need + reserved, protect)
+        return True
+
     def evict_until_free(self, num_free: int, protect: Iterable[ChunkEntry] = ()) -> None:
         """Evict whole idle chunks, oldest first, until the pool has ``num_free`` free blocks."""
         protected = set(protect)

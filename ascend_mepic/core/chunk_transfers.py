@@ -79,16 +79,9 @@ class HostStoreStaging:
                 self.counters.admissions_deferred += 1
                 self.room.defer(len(tokens) + len(dummy), 1)  # room is kept in the next step
                 continue
-            if (
-                table_len
-                > self.block_pool.get_num_free_blocks()
-                - self.watermark_blocks
-                + self.chunk_cache.lru.evictable_blocks()
-            ):
+            if not self.chunk_cache.make_room(table_len, self.watermark_blocks):
                 self.counters.admissions_deferred += 1
                 continue
-            if table_len > self.block_pool.get_num_free_blocks() - self.watermark_blocks:
-                self.chunk_cache.evict_until_free(table_len + self.watermark_blocks)
             blocks = self.block_pool.get_new_blocks(table_len)
             self.pending[chunk_id] = blocks
             alone = [Segment.prompt(dummy)] if dummy else []
@@ -185,16 +178,13 @@ class TierTransfers:
                 continue
             num_canonical = span.num_tokens - span.private_tokens
             need = self.chunk_cache.arena.new_blocks_bound(num_canonical) + 1
-            free = self.block_pool.get_num_free_blocks() - self.watermark_blocks
             if not self.room.fits(1, 1):
                 self.counters.admissions_deferred += 1
                 self.room.defer(1, 1)  # room is kept in the next step
                 continue
-            if need > free + self.chunk_cache.lru.evictable_blocks():
+            if not self.chunk_cache.make_room(need, self.watermark_blocks):
                 self.counters.admissions_deferred += 1
                 continue
-            if need > free:
-                self.chunk_cache.evict_until_free(need + self.watermark_blocks)
             entry = self.chunk_cache.create_loading(
                 chunk_id, span.num_tokens, num_canonical, tenant,
                 token_ids=layout.chunk_tokens(span), anchor=anchor,

@@ -87,11 +87,9 @@ class PackedAdmission(Admission):
         )
         protect = list(reused.values())
         free = self.block_pool.get_num_free_blocks() - reserved
-        if need > free and need > free + self.chunk_cache.lru.evictable_blocks(protect):
+        if not self.chunk_cache.make_room(need, reserved, protect):
             self.counters.admissions_deferred += 1
             return None
-        if need > free:
-            self.chunk_cache.evict_until_free(need + reserved, protect)
 
         self.block_pool.touch(hits)
         self._move_idle_chunks(request, st, reused, free - need)
@@ -258,7 +256,7 @@ class PackedAdmission(Admission):
         missing = num_blocks - len(st.private_blocks)
         if missing <= 0:
             return []
-        if not self._make_room(missing, reserved, st.entries):
+        if not self.chunk_cache.make_room(missing, reserved, st.entries):
             return None
         new_blocks = self.block_pool.get_new_blocks(missing)
         st.private_blocks.extend(new_blocks)

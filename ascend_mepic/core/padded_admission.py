@@ -65,12 +65,9 @@ class PaddedAdmission(Admission):
             return None
         _, _, residency = found
         need = num_table - n_hit + num_in_free_queue(hits)
-        free = self.block_pool.get_num_free_blocks() - reserved
-        if need > free and need > free + self.chunk_cache.lru.evictable_blocks():
+        if not self.chunk_cache.make_room(need, reserved):
             self.counters.admissions_deferred += 1
             return None
-        if need > free:
-            self.chunk_cache.evict_until_free(need + reserved)
         self.block_pool.touch(hits)
         table = list(hits) + self.block_pool.get_new_blocks(num_table - n_hit)
         loads = [
@@ -110,7 +107,7 @@ class PaddedAdmission(Admission):
         missing = num_blocks - len(table)
         if missing <= 0:
             return []
-        if not self._make_room(missing, reserved, st.entries):
+        if not self.chunk_cache.make_room(missing, reserved, st.entries):
             return None
         new_blocks = self.block_pool.get_new_blocks(missing)
         table.extend(new_blocks)
