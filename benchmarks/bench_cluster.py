@@ -16,7 +16,8 @@ docs/results.md gives the simulated numbers for that case.) Requests are sent by
 
 Printed (stdout, a table and one JSON line per arm): the cluster's chunk-hit rate (hits over
 hits + misses, summed over replicas' ``/v1/mepic/stats``), tokens computed, TTFT p50 / p95,
-throughput, requests per replica and their max/min, and ratios against round robin. Asserts
+throughput, requests per replica and their max/min, the decisions the router's load rule took
+away from the best-scoring replica (``diverted``), and ratios against round robin. Asserts
 nothing about time.
 """
 
@@ -156,7 +157,7 @@ def run_arm(args, model, requests, pool_bytes, policy, tier, workdir) -> dict:
     try:
         t0 = time.monotonic()
         cluster.start()
-        url = cluster.start_front(policy, model, args.block_size)
+        url = cluster.start_front(policy, model, args.block_size, args.front_args)
         log(f"[{policy}/{tier}] cluster up in {time.monotonic() - t0:.0f} s")
         # one plain request per replica first: the first forward pass of a process is slow
         for r in cluster.replicas:
@@ -190,6 +191,7 @@ def run_arm(args, model, requests, pool_bytes, policy, tier, workdir) -> dict:
         "throughput_rps": len(run["ttft"]) / run["wall_s"],
         "requests_per_replica": per_replica,
         "imbalance": max(per_replica) / max(1, min(per_replica)),
+        "diverted": front["diverted"],
         "failed": run["failed"] + front["failed"],
     }
 
@@ -217,6 +219,10 @@ def main() -> int:
         help="each replica's LMCache CPU tier beside Redis (small: Redis is what is shared)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--front-args", nargs=argparse.REMAINDER, default=[],
+        help="the rest goes to `ascend-mepic route` (e.g. --queue-gap 3 --load-factor 1.5)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, help="write the JSON results and a plot here")
     args = p.parse_args()
     # SIGTERM unwinds like Ctrl-C, so every arm's replicas and Redis are stopped
@@ -255,8 +261,8 @@ def main() -> int:
     out = data_stream()
     out.write(
         "| policy | tier | chunk-hit rate | x RR | tokens computed | TTFT p50 ms | x RR | "
-        "TTFT p95 ms | req/s | requests per replica | max/min | failed |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        "TTFT p95 ms | req/s | requests per replica | max/min | diverted | failed |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
     for r in results:
         rr = next(
@@ -267,7 +273,7 @@ def main() -> int:
             f"{r['hit_rate'] / max(rr['hit_rate'], 1e-9):.2f} | {r['tokens_computed']} | "
             f"{r['ttft_p50_ms']:.0f} | {r['ttft_p50_ms'] / rr['ttft_p50_ms']:.2f} | "
             f"{r['ttft_p95_ms']:.0f} | {r['throughput_rps']:.2f} | {r['requests_per_replica']} | "
-            f"{r['imbalance']:.2f} | {r['failed']} |\n"
+            f"{r['imbalance']:.2f} | {r['diverted']} | {r['failed']} |\n"
         )  # fmt: skip
     for r in results:
         out.write(json.dumps(r) + "\n")

@@ -74,7 +74,9 @@ def cmd_route(args: argparse.Namespace) -> int:
         if indexer_url is None:
             indexer_url, _ = start_indexer(args.start_indexer, args.block_size)
     indexer = DynamoIndexer(indexer_url) if indexer_url else None
-    policy = make_policy(args.policy, indexer, args.load_factor, args.affinity_s)
+    policy = make_policy(
+        args.policy, indexer, args.load_factor, args.affinity_s, args.queue_gap, args.load_window
+    )
     reader = RequestReader(_tokenizer(args.tokenizer))
     front = ClusterFront(replicas, policy, reader, indexer, args.block_size, args.health_interval_s)
     logging.getLogger("ascend_mepic.cluster").setLevel(args.log_level.upper())
@@ -109,6 +111,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor, >= 1")
+    p.add_argument(
+        "--load-window", type=int, default=64,
+        help="how many recent decisions the load factor's share is counted over",
+    )  # fmt: skip
+    p.add_argument(
+        "--queue-gap", type=int, default=2,
+        help="most requests in flight a replica may have beyond the least busy one's, >= 0",
+    )  # fmt: skip
     p.add_argument(
         "--affinity-s", type=float, default=10.0,
         help="seconds a chunk counts as held by the replica it was last sent to",

@@ -165,6 +165,7 @@ class ClusterFront:
             "rejected": self.rejected,
             "rerouted": self.rerouted,
             "indexer_errors": self.policy.indexer_errors,
+            "diverted": self.policy.diverted,
             "replicas": [
                 {
                     "index": r.index,

@@ -61,6 +61,8 @@ class Decision:
     replica: Replica
     score: int
     scores: dict[int, int] = field(default_factory=dict)  # worker id -> score
+    # The load rule turned the request away from a replica that scored higher.
+    diverted: bool = False
 
 
 def chunk_key(tokens: Sequence[int]) -> bytes:
@@ -70,7 +72,7 @@ def chunk_key(tokens: Sequence[int]) -> bytes:
 class BoundedLoad:
     """The load rule every policy shares: in-flight requests and the recent decisions."""
 
-    def __init__(self, load_factor: float = 1.25, window: int = 32, queue_gap: int = 2) -> None:
+    def __init__(self, load_factor: float = 1.25, window: int = 64, queue_gap: int = 2) -> None:
         if load_factor < 1.0:
             raise ValueError(f"load_factor must be at least 1, got {load_factor}")
         if queue_gap < 0:
@@ -106,6 +108,7 @@ class Policy:
         self.indexer = indexer
         self.load = load or BoundedLoad()
         self.indexer_errors = 0
+        self.diverted = 0  # decisions the load rule took away from the best-scoring replica
 
     async def scores(self, view: RoutingView, replicas: Sequence[Replica]) -> dict[int, int]:
         return {}
@@ -120,9 +123,12 @@ class Policy:
             self.indexer_errors += 1  # route on load alone while the indexer is away
             scores = {}
         best = max(candidates, key=lambda r: (scores.get(r.worker_id, 0), *_neg(self.load.load(r))))
+        score = scores.get(best.worker_id, 0)
+        diverted = score < max((scores.get(r.worker_id, 0) for r in replicas), default=0)
+        self.diverted += diverted
         self.load.record(best)
         self.chosen(view, best)
-        return Decision(best, scores.get(best.worker_id, 0), scores)
+        return Decision(best, score, scores, diverted)
 
     def chosen(self, view: RoutingView, replica: Replica) -> None:
         """Hook: what a policy remembers of a decision."""
@@ -210,8 +216,10 @@ def make_policy(
     indexer: DynamoIndexer | None,
     load_factor: float = 1.25,
     affinity_s: float = 10.0,
+    queue_gap: int = 2,
+    window: int = 64,
 ) -> Policy:
-    load = BoundedLoad(load_factor)
+    load = BoundedLoad(load_factor, window, queue_gap)
     if name == "round_robin":
         return RoundRobin(None, load)
     if indexer is None:

@@ -85,7 +85,14 @@ def test_bounded_load_keeps_requests_per_replica_even_under_one_hot_chunk():
     assert picks.count(0) / len(picks) <= 1.25 / 2 + 1 / 32
     # and requests in flight count: a replica two requests ahead of the least busy takes no more
     reps[0].in_flight, reps[1].in_flight = 3, 0
-    assert choose(policy, RoutingView(prompt=A, chunks=(A,)), reps).replica.index == 1
+    diverted = policy.diverted
+    d = choose(policy, RoutingView(prompt=A, chunks=(A,)), reps)
+    assert d.replica.index == 1 and d.diverted and policy.diverted == diverted + 1
+    # every request the holder did not take was diverted from it; none of the holder's were
+    assert diverted == picks.count(1)
+    # a wider gap keeps it on the holder
+    wide = ChunkAware(Residency({A: {1: 64}}), make_policy("round_robin", None, queue_gap=3).load)
+    assert not choose(wide, RoutingView(prompt=A, chunks=(A,)), reps).diverted
 
 
 def test_an_absent_indexer_routes_on_load_and_is_counted():
