@@ -85,6 +85,8 @@ def cmd_route(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ascend_mepic.cluster.policy import AFFINITY_S, LOAD_FACTOR, LOAD_WINDOW, QUEUE_GAP
+
     p = sub.add_parser(
         "route",
         help="route requests over several `ascend-mepic serve` replicas by the chunks they hold",
@@ -110,17 +112,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", help="the replicas' model or tokenizer folder (reads chunks)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor, >= 1")
     p.add_argument(
-        "--load-window", type=int, default=64,
+        "--load-factor", type=float, default=LOAD_FACTOR, help="bounded-load factor, >= 1"
+    )
+    p.add_argument(
+        "--load-window", type=int, default=LOAD_WINDOW,
         help="how many recent decisions the load factor's share is counted over",
     )  # fmt: skip
     p.add_argument(
-        "--queue-gap", type=int, default=2,
+        "--queue-gap", type=int, default=QUEUE_GAP,
         help="most requests in flight a replica may have beyond the least busy one's, >= 0",
     )  # fmt: skip
     p.add_argument(
-        "--affinity-s", type=float, default=10.0,
+        "--affinity-s", type=float, default=AFFINITY_S,
         help="seconds a chunk counts as held by the replica it was last sent to",
     )  # fmt: skip
     p.add_argument("--health-interval-s", type=float, default=0.5)

@@ -36,6 +36,10 @@ from ascend_mepic.cluster.indexer import DynamoIndexer, IndexerError
 from ascend_mepic.cluster.request_chunks import RoutingView
 
 POLICIES = ("round_robin", "prefix", "chunk")
+# The defaults of the load rule and the affinity (``ascend-mepic route`` takes them as flags). A
+# window of 64 decisions: 32 turned a request away from its chunks' replica about twice as often
+# in benchmarks/bench_cluster.py, 96 let requests per replica drift (docs/results.md).
+LOAD_FACTOR, LOAD_WINDOW, QUEUE_GAP, AFFINITY_S = 1.25, 64, 2, 10.0
 
 
 @dataclass
@@ -72,7 +76,12 @@ def chunk_key(tokens: Sequence[int]) -> bytes:
 class BoundedLoad:
     """The load rule every policy shares: in-flight requests and the recent decisions."""
 
-    def __init__(self, load_factor: float = 1.25, window: int = 64, queue_gap: int = 2) -> None:
+    def __init__(
+        self,
+        load_factor: float = LOAD_FACTOR,
+        window: int = LOAD_WINDOW,
+        queue_gap: int = QUEUE_GAP,
+    ) -> None:
         if load_factor < 1.0:
             raise ValueError(f"load_factor must be at least 1, got {load_factor}")
         if queue_gap < 0:
@@ -173,7 +182,7 @@ class ChunkAware(Policy):
         self,
         indexer: DynamoIndexer | None = None,
         load: BoundedLoad | None = None,
-        affinity_s: float = 10.0,
+        affinity_s: float = AFFINITY_S,
     ) -> None:
         super().__init__(indexer, load)
         self.affinity_s = affinity_s
@@ -214,10 +223,10 @@ class ChunkAware(Policy):
 def make_policy(
     name: str,
     indexer: DynamoIndexer | None,
-    load_factor: float = 1.25,
-    affinity_s: float = 10.0,
-    queue_gap: int = 2,
-    window: int = 64,
+    load_factor: float = LOAD_FACTOR,
+    affinity_s: float = AFFINITY_S,
+    queue_gap: int = QUEUE_GAP,
+    window: int = LOAD_WINDOW,
 ) -> Policy:
     load = BoundedLoad(load_factor, window, queue_gap)
     if name == "round_robin":

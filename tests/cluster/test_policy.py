@@ -91,8 +91,11 @@ def test_bounded_load_keeps_requests_per_replica_even_under_one_hot_chunk():
     # every request the holder did not take was diverted from it; none of the holder's were
     assert diverted == picks.count(1)
     # a wider gap keeps it on the holder
-    wide = ChunkAware(Residency({A: {1: 64}}), make_policy("round_robin", None, queue_gap=3).load)
+    wide = ChunkAware(Residency({A: {1: 64}}), BoundedLoad(queue_gap=3))
     assert not choose(wide, RoutingView(prompt=A, chunks=(A,)), reps).diverted
+    # the route command's flags reach the rule
+    load = make_policy("round_robin", None, load_factor=1.5, queue_gap=3, window=8).load
+    assert (load.load_factor, load.queue_gap, load.recent.maxlen) == (1.5, 3, 8)
 
 
 def test_an_absent_indexer_routes_on_load_and_is_counted():
