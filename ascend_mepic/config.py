@@ -64,16 +64,18 @@ class MepicConfig:
         ),
     ] = 1
     chunk_anchor: Annotated[
-        Literal["none", "prefix"],
+        Literal["auto", "none", "prefix"],
         Field(
             description=(
                 "shared-placement policies: `prefix` compiles each new chunk after the "
                 "request's prompt before its first chunk (its KV not stored with the chunk; "
                 "the chunk's identity includes it, so only requests with that prefix share "
-                "it), `none` alone from position 0 (shared across prefixes)"
+                "it), `none` alone from position 0 (shared across prefixes), `auto` as "
+                "`prefix` until a document arrives after a second prefix, then as `none` for "
+                "the engine's life (one copy per document; logged and counted)"
             )
         ),
-    ] = "prefix"
+    ] = "auto"
     chunk_anchor_max_tokens: Annotated[
         int,
         Strict(),

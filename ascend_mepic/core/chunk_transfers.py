@@ -157,7 +157,11 @@ class TierTransfers:
         return wanted
 
     def stage_loads(
-        self, layout: Layout, chunk_ids: dict[int, ChunkId | None], tenant: str | None = None
+        self,
+        layout: Layout,
+        chunk_ids: dict[int, ChunkId | None],
+        tenant: str | None = None,
+        anchor: tuple[int, ...] = (),
     ) -> None:
         """Issue loads for a staged request's chunks that are in the tier but not in the pool.
 
@@ -168,7 +172,6 @@ class TierTransfers:
         """
         tier = self.settings.tier
         assert tier is not None
-        anchor = self.settings.policy.anchor_tokens(layout.segments)
         for span in layout.chunk_spans:
             chunk_id = chunk_ids[span.segment]
             if chunk_id is None or self.chunk_cache.lookup(chunk_id) is not None:

@@ -63,6 +63,7 @@ from ascend_mepic.core.plan import (
 )
 from ascend_mepic.core.request_intake import (
     BlockRole,
+    Inspected,
     PackedIntake,
     PaddedIntake,
     RequestIntake,
@@ -194,7 +195,7 @@ class MepicKVCacheManager(KVCacheManager):
     def is_tracked(self, request_id: str) -> bool:
         return request_id in self._states
 
-    def inspect(self, request: Request) -> tuple[Layout, dict[int, ChunkId | None]] | None:
+    def inspect(self, request: Request) -> Inspected | None:
         """Validate a segmented request and name its cached chunks; None if it has no segments.
 
         Raises LayoutError / MepicCapacityError / MepicUnsupportedError before anything is
@@ -244,11 +245,16 @@ class MepicKVCacheManager(KVCacheManager):
         return self.tier_transfers.wanted(chunk_ids, count)
 
     def stage_tier_loads(
-        self, layout: Layout, chunk_ids: dict[int, ChunkId | None], tenant: str | None = None
+        self,
+        layout: Layout,
+        chunk_ids: dict[int, ChunkId | None],
+        tenant: str | None = None,
+        anchor: tuple[int, ...] = (),
     ) -> None:
         """Issue loads for a staged request's chunks that are in the tier but not in the pool
-        (placed in ``tenant``'s blocks: the request's cache salt)."""
-        self.tier_transfers.stage_loads(layout, chunk_ids, tenant)
+        (placed in ``tenant``'s blocks: the request's cache salt; ``anchor``: the one its chunk
+        identities name)."""
+        self.tier_transfers.stage_loads(layout, chunk_ids, tenant, anchor)
 
     def take_step_plan(
         self, step: int, new_request_ids: Iterable[str]
@@ -397,4 +403,9 @@ class MepicKVCacheManager(KVCacheManager):
         return self.accounting.block_categories()
 
     def metrics(self) -> dict[str, int]:
-        return self.accounting.metrics()
+        anchors = self.intake.anchors
+        return {
+            **self.accounting.metrics(),
+            "chunk_anchor_switches": anchors.switches,
+            "chunk_anchored": int(anchors.anchored),
+        }

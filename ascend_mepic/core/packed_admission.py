@@ -70,7 +70,7 @@ class PackedAdmission(Admission):
             return None
         reused, new_chunks, residency = found
         firsts = [layout.spans[segs[0]] for segs in new_chunks.values()]
-        lead = len(self.settings.policy.anchor_tokens(layout.segments))
+        lead = len(st.anchor)
         compile_tokens = sum(lead + sp.num_tokens for sp in firsts)
         if not self.room.fits(compile_tokens, len(new_chunks)):
             self.counters.admissions_deferred += 1  # this step's batch is full
@@ -207,7 +207,7 @@ class PackedAdmission(Admission):
         """Place each first-time chunk in the arena, with scratch blocks for its private tokens
         during the compile; every occurrence acquires it. Returns the compiles."""
         bs = self.block_size
-        anchor = self.settings.policy.anchor_tokens(st.layout.segments)
+        anchor = st.anchor
         lead = [Segment.prompt(anchor)] if anchor else []
         compiles: list[ChunkCompile] = []
         for chunk_id, segs in new_chunks.items():

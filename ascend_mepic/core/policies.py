@@ -61,7 +61,7 @@ class Placement(str, enum.Enum):
 
 
 LEGOLINK_DUMMY_TOKENS = 4
-ANCHORS = ("none", "prefix")
+ANCHORS = ("none", "prefix", "auto")
 DEFAULT_ANCHOR_MAX_TOKENS = 256  # an anchor's tokens are recomputed by every compile after it
 CACHEBLEND_CHECK_LAYER = 1
 MEPIC_DEFAULT_K = 16  # EPIC's setting: tokens of each chunk recomputed in the request's context
@@ -79,7 +79,9 @@ class Policy:
     k: int = 0  # mepic / mepic-K / epic-K: tokens recomputed per chunk
     ratio: float = 0.0  # cacheblend-R / cachetune-R: R / 100
     check_layer: int = CACHEBLEND_CHECK_LAYER
-    anchor: str = "none"  # shared placement: "prefix" compiles chunks after the request's prefix
+    # shared placement: "prefix" compiles chunks after the request's prefix; "auto" does while
+    # that keeps one copy per document (``anchors.AnchorChooser`` decides per request)
+    anchor: str = "none"
     anchor_max_tokens: int = DEFAULT_ANCHOR_MAX_TOKENS
 
     # Read several times per request on the scheduling path: computed once per policy.
@@ -114,8 +116,9 @@ class Policy:
 
     def anchor_tokens(self, segments: Sequence[Segment]) -> tuple[int, ...]:
         """The tokens a first-time chunk of this request is compiled after (empty: alone from
-        position 0): under ``anchor="prefix"``, the first ``anchor_max_tokens`` of the prompt
-        before the request's first chunk."""
+        position 0): under ``anchor="prefix"`` (and ``auto`` while it anchors: the most a
+        request's anchor can be), the first ``anchor_max_tokens`` of the prompt before the
+        request's first chunk."""
         if self.anchor == "none" or not self.packed or not segments:
             return ()
         first = segments[0]

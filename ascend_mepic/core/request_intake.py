@@ -13,8 +13,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+from ascend_mepic.core.anchors import AnchorChooser
 from ascend_mepic.core.chunk_cache import ChunkCache, ChunkEntry
 from ascend_mepic.core.errors import MepicCapacityError, MepicQuotaError, MepicUnsupportedError
 from ascend_mepic.core.identity import ChunkId, chunk_identity
@@ -51,6 +52,15 @@ class BlockRole(str, enum.Enum):
     LOAD = "load"  # private, filled from the host store, then fresh slots overwritten
 
 
+class Inspected(NamedTuple):
+    """What ``RequestIntake.inspect`` found: the arrival layout, each chunk segment's identity
+    (None if not cached) and the anchor those identities name (its chunks compile after it)."""
+
+    layout: Layout
+    chunk_ids: dict[int, ChunkId | None]
+    anchor: tuple[int, ...]
+
+
 @dataclass
 class RequestState:
     """Scheduling-path state of one MEPIC request; survives preemption, dropped when finished."""
@@ -77,6 +87,7 @@ class RequestState:
     # Private placement: host-store copies per table entry, (entry, chunk id, first chunk token,
     # tokens, first slot): the chunk tokens of each entry, copied before the forward pass.
     host_runs: list[tuple[int, ChunkId, int, int, int]] = field(default_factory=list)
+    anchor: tuple[int, ...] = ()  # what its first-time chunks are compiled after (``Inspected``)
 
     def set_packed_layout(self, layout: Layout) -> None:
         """(Re)lay a packed request out, final once its chunks are placed: the layout and its
@@ -218,8 +229,9 @@ class RequestIntake:
         self.enable_caching = enable_caching
         self.hash_fn = hash_fn
         self.model_fingerprint = model_fingerprint
+        self.anchors = AnchorChooser(settings.policy, block_size, model_fingerprint)
 
-    def inspect(self, request: Request) -> tuple[Layout, dict[int, ChunkId | None]] | None:
+    def inspect(self, request: Request) -> Inspected | None:
         """Validate a segmented request and name its cached chunks; None if it has no segments.
 
         Raises LayoutError / MepicCapacityError / MepicUnsupportedError before anything is
@@ -238,7 +250,10 @@ class RequestIntake:
         segments = segments_from_real(request.prompt_token_ids or [], extra[EXTRA_ARGS_KEY])
         policy, bs = self.settings.policy, self.block_size
         fingerprint, salt = self.model_fingerprint, request.cache_salt
-        anchor = policy.anchor_tokens(segments)
+        switches = self.anchors.switches
+        anchor = self.anchors.choose(segments, salt).tokens
+        if self.anchors.switches != switches:  # no request can name an anchored copy any more
+            self.chunk_cache.drop_idle_anchored()
         chunk_ids: dict[int, ChunkId | None] = {}
         for i, seg in enumerate(segments):
             if seg.kind is SegmentKind.CHUNK:
@@ -267,7 +282,7 @@ class RequestIntake:
             raise MepicCapacityError(f"{need} but the KV cache has only {total} usable blocks")
         if extra.get(PIN_KEY) and policy.placement is Placement.SHARED:
             self._reserve_pins(request, layout, chunk_ids)
-        return layout, chunk_ids
+        return Inspected(layout, chunk_ids, anchor)
 
     def _reserve_pins(
         self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
@@ -313,7 +328,7 @@ class RequestIntake:
             (extra or {}).get(EXTRA_ARGS_KEY),
             self.block_size,
         )
-        anchor = self.settings.policy.anchor_tokens(layout.segments)
+        anchor = self.anchors.peek(layout.segments).tokens
         return [
             chunk_identity(
                 layout.chunk_tokens(span),
@@ -326,7 +341,11 @@ class RequestIntake:
         ]
 
     def build(
-        self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
+        self,
+        request: Request,
+        layout: Layout,
+        chunk_ids: dict[int, ChunkId | None],
+        anchor: tuple[int, ...] = (),
     ) -> RequestState:
         """Rewrite the engine request to its in-context tokens and their hashes; its state."""
         raise NotImplementedError
@@ -344,7 +363,11 @@ class PackedIntake(RequestIntake):
     """Shared placement: the request keeps its private stream, the chunk cache the rest."""
 
     def build(
-        self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
+        self,
+        request: Request,
+        layout: Layout,
+        chunk_ids: dict[int, ChunkId | None],
+        anchor: tuple[int, ...] = (),
     ) -> RequestState:
         """A packed request reaches vLLM as its private stream: prompt tokens and each chunk's
         private tokens, in order; everything else is the chunk cache's."""
@@ -367,6 +390,7 @@ class PackedIntake(RequestIntake):
             None,  # the placement: set at admission, once the chunks are placed
             pin=bool(extra.get(PIN_KEY)),
             private_tokens=[sp.private_tokens for sp in layout.chunk_spans],
+            anchor=anchor,
         )
         st.set_packed_layout(layout)
         return st
@@ -376,7 +400,11 @@ class PaddedIntake(RequestIntake):
     """Private placement (the baselines) and none: every token has a slot of its own."""
 
     def build(
-        self, request: Request, layout: Layout, chunk_ids: dict[int, ChunkId | None]
+        self,
+        request: Request,
+        layout: Layout,
+        chunk_ids: dict[int, ChunkId | None],
+        anchor: tuple[int, ...] = (),
     ) -> RequestState:
         """Private placement (the baselines): every token has a slot in the request's private
         blocks; vLLM schedules the prompt tokens and the chunk tokens the policy computes in

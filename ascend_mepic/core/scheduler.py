@@ -26,11 +26,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from ascend_mepic.config import MepicConfig
 from ascend_mepic.core.engine_support import check_engine_supported
 from ascend_mepic.core.errors import MepicQuotaError
-from ascend_mepic.core.identity import ChunkId, model_fingerprint, weights_digest
+from ascend_mepic.core.identity import model_fingerprint, weights_digest
 from ascend_mepic.core.kv_manager import MepicKVCacheManager
 from ascend_mepic.core.kv_settings import KVSettings, StepBudgets
 from ascend_mepic.core.policies import Placement
-from ascend_mepic.core.segments import UNPIN_KEY, Layout, LayoutError
+from ascend_mepic.core.request_intake import Inspected
+from ascend_mepic.core.segments import UNPIN_KEY, LayoutError
 from ascend_mepic.tier.host_store import host_store
 from ascend_mepic.tier.index import TierIndex
 from ascend_mepic.vllm_integration import block_hasher, channel
@@ -78,7 +79,7 @@ class MepicScheduler(Scheduler):
         self._compiles_to_finish: set[str] = set()
         # Requests of loading policies wait here until their chunks are in the host store.
         # (request, its layout, its chunk ids), inspected once at arrival.
-        self._staged: dict[str, tuple[Request, Layout, dict[int, ChunkId | None]]] = {}
+        self._staged: dict[str, tuple[Request, Inspected]] = {}
         old = self.kv_cache_manager
         model = self.vllm_config.model_config
         self.kv_settings = self._kv_settings()
@@ -186,7 +187,7 @@ class MepicScheduler(Scheduler):
             if found is not None and (
                 self.pic_policy.loads_kv or manager.tier_wanted(found[1], count=True)
             ):
-                self._staged[request.request_id] = (request, *found)
+                self._staged[request.request_id] = (request, found)
                 return
             manager.track(request)
         except (LayoutError, ValueError) as e:
@@ -211,7 +212,8 @@ class MepicScheduler(Scheduler):
         """Staged requests whose chunks are all stored (host store) or loaded (tier) join vLLM's
         waiting queue (FIFO)."""
         manager = self.kv_cache_manager
-        for request_id, (request, _, chunk_ids) in list(self._staged.items()):
+        for request_id, (request, found) in list(self._staged.items()):
+            chunk_ids = found.chunk_ids
             if self.pic_policy.loads_kv and not manager.chunks_stored(chunk_ids):
                 continue
             if not self.pic_policy.loads_kv and manager.tier_wanted(chunk_ids):
@@ -226,11 +228,11 @@ class MepicScheduler(Scheduler):
 
     def _stage_compiles(self) -> None:
         manager = self.kv_cache_manager
-        for request, layout, chunk_ids in self._staged.values():
+        for request, (layout, chunk_ids, anchor) in self._staged.values():
             if self.pic_policy.loads_kv:
                 manager.stage(request, layout, chunk_ids)
             else:
-                manager.stage_tier_loads(layout, chunk_ids, request.cache_salt)
+                manager.stage_tier_loads(layout, chunk_ids, request.cache_salt, anchor)
 
     def get_num_unfinished_requests(self) -> int:
         return super().get_num_unfinished_requests() + len(getattr(self, "_staged", ()))
