@@ -155,8 +155,12 @@ def launch_server(model: str, tmp: Path, extra_args: list[str] = ()) -> tuple[st
 def server(model, tmp_path_factory, request) -> str:
     # A request's chat_template (trusted here) renders vLLM's documents, which the tiny
     # model's template does not.
-    # A small per-salt pin quota (blocks of 32 tokens) makes the quota testable.
-    config = {"mepic": {"max_pinned_blocks_per_salt": PER_SALT_PINNED_BLOCKS}}
+    # A small per-salt pin quota (blocks of 32 tokens) makes the quota testable. The module's
+    # requests open in many ways, and the chunk API's per-prefix identities are checked here:
+    # anchored always (`auto`'s switch: tests/core/test_anchors.py, test_serving_offline.py).
+    config = {
+        "mepic": {"max_pinned_blocks_per_salt": PER_SALT_PINNED_BLOCKS, "chunk_anchor": "prefix"}
+    }
     args = ["--trust-request-chat-template", "--additional-config", json.dumps(config)]
     url, stop = launch_server(model, tmp_path_factory.mktemp("mepic-server"), args)
     request.addfinalizer(stop)
