@@ -64,18 +64,17 @@ class MepicConfig:
         ),
     ] = 1
     chunk_anchor: Annotated[
-        Literal["auto", "none", "prefix"],
+        Literal["first", "none", "prefix"],
         Field(
             description=(
-                "shared-placement policies: `prefix` compiles each new chunk after the "
-                "request's prompt before its first chunk (its KV not stored with the chunk; "
-                "the chunk's identity includes it, so only requests with that prefix share "
-                "it), `none` alone from position 0 (shared across prefixes), `auto` as "
-                "`prefix` until a document arrives after a second prefix, then as `none` for "
-                "the engine's life (one copy per document; logged and counted)"
+                "shared-placement policies: `first` compiles every new chunk after the prompt "
+                "before the first chunk of the engine's first request that has one (its KV not "
+                "stored with the chunk): one copy per document whatever precedes it; `prefix` "
+                "after each request's own (the chunk's identity includes it, so only requests "
+                "with that prefix share it); `none` alone from position 0"
             )
         ),
-    ] = "auto"
+    ] = "first"
     chunk_anchor_max_tokens: Annotated[
         int,
         Strict(),

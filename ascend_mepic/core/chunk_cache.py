@@ -363,14 +363,6 @@ class ChunkCache:
         self._free(entry)
         self.stats.evicted_blocks += self.block_pool.get_num_free_blocks() - before
 
-    def drop_idle_anchored(self) -> int:
-        """Evict every idle chunk compiled after an anchor (``chunk_anchor: auto`` stopped
-        anchoring, so no request names them again); returns how many."""
-        dropped = [e for e in self.lru.oldest_first() if e.anchor]
-        for entry in dropped:
-            self.evict(entry)
-        return len(dropped)
-
     def make_room(self, need: int, reserved: int, protect: Iterable[ChunkEntry] = ()) -> bool:
         """``need`` free blocks beside ``reserved``, evicting idle chunks (not ``protect``) if
         that suffices; False, with nothing evicted, if even evicting every idle chunk would not:

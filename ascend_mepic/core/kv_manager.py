@@ -403,9 +403,7 @@ class MepicKVCacheManager(KVCacheManager):
         return self.accounting.block_categories()
 
     def metrics(self) -> dict[str, int]:
-        anchors = self.intake.anchors
         return {
             **self.accounting.metrics(),
-            "chunk_anchor_switches": anchors.switches,
-            "chunk_anchored": int(anchors.anchored),
+            "chunk_anchor_tokens": len(self.intake.anchors.engine_anchor or ()),
         }

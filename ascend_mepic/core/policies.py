@@ -61,7 +61,7 @@ class Placement(str, enum.Enum):
 
 
 LEGOLINK_DUMMY_TOKENS = 4
-ANCHORS = ("none", "prefix", "auto")
+ANCHORS = ("none", "prefix", "first")
 DEFAULT_ANCHOR_MAX_TOKENS = 256  # an anchor's tokens are recomputed by every compile after it
 CACHEBLEND_CHECK_LAYER = 1
 MEPIC_DEFAULT_K = 16  # EPIC's setting: tokens of each chunk recomputed in the request's context
@@ -79,8 +79,8 @@ class Policy:
     k: int = 0  # mepic / mepic-K / epic-K: tokens recomputed per chunk
     ratio: float = 0.0  # cacheblend-R / cachetune-R: R / 100
     check_layer: int = CACHEBLEND_CHECK_LAYER
-    # shared placement: "prefix" compiles chunks after the request's prefix; "auto" does while
-    # that keeps one copy per document (``anchors.AnchorChooser`` decides per request)
+    # shared placement: "prefix" compiles chunks after the request's prefix, "first" after the
+    # engine's first request's (``anchors.AnchorChooser`` decides per request)
     anchor: str = "none"
     anchor_max_tokens: int = DEFAULT_ANCHOR_MAX_TOKENS
 
@@ -116,9 +116,8 @@ class Policy:
 
     def anchor_tokens(self, segments: Sequence[Segment]) -> tuple[int, ...]:
         """The tokens a first-time chunk of this request is compiled after (empty: alone from
-        position 0): under ``anchor="prefix"`` (and ``auto`` while it anchors: the most a
-        request's anchor can be), the first ``anchor_max_tokens`` of the prompt before the
-        request's first chunk."""
+        position 0): under ``anchor="prefix"`` the first ``anchor_max_tokens`` of the prompt
+        before the request's first chunk (``first``: the candidate for the engine's anchor)."""
         if self.anchor == "none" or not self.packed or not segments:
             return ()
         first = segments[0]
@@ -178,13 +177,16 @@ class Policy:
             return self.private_tokens(num_tokens, block_size) < num_tokens
         return self.placement is not Placement.NONE
 
-    def worst_case_blocks(self, layout: Layout, cached: Mapping[int, Any]) -> int:
+    def worst_case_blocks(
+        self, layout: Layout, cached: Mapping[int, Any], anchor_len: int | None = None
+    ) -> int:
         """KV blocks a request laid out as ``layout`` may hold at once, with none of its chunks
-        resident yet. ``cached``: chunk segment -> its identity, or None if not cached."""
+        resident yet. ``cached``: chunk segment -> its identity, or None if not cached;
+        ``anchor_len``: its compiles' anchor (the engine's choice; default its own prefix's)."""
         bs = layout.block_size
         if self.packed:  # private blocks, canonical blocks of every chunk, compile scratch
             worst = layout.num_private_blocks
-            lead = len(self.anchor_tokens(layout.segments))
+            lead = len(self.anchor_tokens(layout.segments)) if anchor_len is None else anchor_len
             for sp in layout.chunk_spans:
                 worst += -(-(lead + sp.private_tokens) // bs) + sp.num_shared
             return worst

@@ -229,7 +229,7 @@ class RequestIntake:
         self.enable_caching = enable_caching
         self.hash_fn = hash_fn
         self.model_fingerprint = model_fingerprint
-        self.anchors = AnchorChooser(settings.policy, block_size, model_fingerprint)
+        self.anchors = AnchorChooser(settings.policy)
 
     def inspect(self, request: Request) -> Inspected | None:
         """Validate a segmented request and name its cached chunks; None if it has no segments.
@@ -250,10 +250,7 @@ class RequestIntake:
         segments = segments_from_real(request.prompt_token_ids or [], extra[EXTRA_ARGS_KEY])
         policy, bs = self.settings.policy, self.block_size
         fingerprint, salt = self.model_fingerprint, request.cache_salt
-        switches = self.anchors.switches
-        anchor = self.anchors.choose(segments, salt).tokens
-        if self.anchors.switches != switches:  # no request can name an anchored copy any more
-            self.chunk_cache.drop_idle_anchored()
+        anchor = self.anchors.choose(segments).tokens
         chunk_ids: dict[int, ChunkId | None] = {}
         for i, seg in enumerate(segments):
             if seg.kind is SegmentKind.CHUNK:
@@ -265,7 +262,7 @@ class RequestIntake:
         limits = RequestLimits(policy, bs, self.max_model_len, self.settings.max_chunks)
         limits.check(layout, chunk_ids)
         self.room.check_request(layout, chunk_ids, len(anchor))
-        worst_case = policy.worst_case_blocks(layout, chunk_ids)
+        worst_case = policy.worst_case_blocks(layout, chunk_ids, len(anchor))
         total = num_usable_blocks(self.block_pool)
         pinned = self.chunk_cache.num_pinned_blocks()
         if worst_case > total - pinned:

@@ -36,13 +36,10 @@ TOTALS = {
     "tier_worker_puts": "Chunks offloaded to the tier",
     "tier_worker_bytes_stored": "Bytes offloaded to the tier",
     "tier_worker_bytes_loaded": "Bytes loaded from the tier",
-    "chunk_anchor_switches": (
-        "1 once chunk_anchor auto stopped anchoring (a document arrived after a second opening)"
-    ),
 }
 LEVELS = {
     "resident_chunks": "Chunks with KV resident in the pool",
-    "chunk_anchored": "1 while new chunks are compiled after the request's prefix (chunk_anchor)",
+    "chunk_anchor_tokens": "Tokens of the engine's compile anchor (chunk_anchor first; 0: none)",
     "pinned_chunks": "Chunks pinned through the chunk API",
     "pinned_blocks": "KV blocks pinned chunks hold, every tenant together",
     "pinned_blocks_limit": "The most KV blocks pinned chunks may hold (pinned_kv_fraction)",

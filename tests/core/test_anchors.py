@@ -15,6 +15,7 @@ from ascend_mepic.core.kv_settings import KVSettings
 from ascend_mepic.core.segments import Segment
 from ascend_mepic.eval.kvsim import SIM_MODEL, build_manager, kv_cache_config, make_request
 from ascend_mepic.vllm_integration.core_types import sha256_cbor
+from tests.core.test_kv_manager import canonical_ids
 
 B = 16
 DOCS = [Segment.chunk(range(1000 * d, 1000 * d + 50)) for d in range(6)]
@@ -63,61 +64,71 @@ def serve(anchor: str, scenario: str) -> tuple[int, int, int, dict]:
     return metrics["chunk_misses"], metrics["chunk_hits"], metrics["resident_chunks"], metrics
 
 
-def test_the_default_is_auto():
-    assert MepicConfig.from_options({}).chunk_anchor == "auto"
+def test_the_default_is_first():
+    assert MepicConfig.from_options({}).chunk_anchor == "first"
 
 
 @pytest.mark.parametrize(
-    ("scenario", "prefix", "auto"),
+    ("scenario", "prefix"),
     [
-        # compiles, hits, resident: `prefix` multiplies copies with openings; `auto` anchors
-        # while one opening reads each document, then compiles each document once unanchored
-        # (the 3 anchored compiles of the first request are the switch's cost)
-        ("one", (6, 66, 6), (6, 66, 6)),
-        ("apps", (24, 48, 24), (9, 63, 6)),
-        ("chat", (72, 0, 72), (9, 63, 6)),
+        # compiles, hits, resident under `prefix`: a copy per opening and document
+        ("one", (6, 66, 6)),
+        ("apps", (24, 48, 24)),
+        ("chat", (72, 0, 72)),
     ],
 )
-def test_copies_per_document_by_opening(scenario, prefix, auto):
+def test_copies_per_document_by_opening(scenario, prefix):
+    """The default compiles each document once, after the first request's opening, whatever
+    opens the later requests; ``prefix`` keeps a copy per opening, ``none`` one unanchored."""
     assert serve("prefix", scenario)[:3] == prefix
     compiles, hits, resident, metrics = serve("default", scenario)
-    assert (compiles, hits, resident) == auto
-    assert metrics["chunk_anchor_switches"] == (scenario != "one")
-    assert metrics["chunk_anchored"] == (scenario == "one")
+    assert (compiles, hits, resident) == (6, 66, 6)
+    assert metrics["chunk_anchor_tokens"] == len(opening(scenario, 0).token_ids)
     assert serve("none", scenario)[:3] == (6, 66, 6)
 
 
-def test_a_request_keeps_the_anchor_it_was_inspected_with():
-    """The switch may fall between a request's intake and its compile: the compile still runs
-    after the anchor its chunk identities name, so no identity ever holds KV of another."""
+def test_every_request_reads_the_copy_compiled_after_the_first_opening():
+    """Requests with other openings, other questions and the document elsewhere read the same
+    physical blocks of it, compiled after the first request's opening; a request with no
+    opening before the engine has its anchor compiles unanchored."""
     m = manager("default")
-    a = make_request("a", [opening("chat", 0), DOCS[0], Segment.prompt([7])], B)
-    b = make_request("b", [opening("chat", 1), DOCS[0], Segment.prompt([7])], B)
-    assert m.track(a)  # anchored: the first opening of DOCS[0]
-    assert m.track(b)  # a second opening of DOCS[0]: the switch, b unanchored
-    assert m.metrics()["chunk_anchor_switches"] == 1
-    for req, lead in ((a, len(SYSTEM) + 3), (b, 0)):
+    bare = make_request("bare", [DOCS[1], Segment.prompt([7])], B)
+    assert m.track(bare)
+    blocks, hit, _ = m.get_computed_blocks(bare)
+    assert m.allocate_slots(bare, bare.num_tokens - hit, hit, blocks) is not None
+    (compile_,) = m.get_plan("bare").compiles
+    assert compile_.anchor_tokens == ()
+    reqs = [
+        make_request("a", [opening("chat", 0), DOCS[0], DOCS[2], Segment.prompt([7])], B),
+        make_request("b", [opening("apps", 1), DOCS[2], DOCS[0], Segment.prompt([8, 9])], B),
+        make_request("c", [DOCS[0], Segment.prompt([5])], B),
+    ]
+    for req in reqs:
+        assert m.track(req)
         blocks, hit, _ = m.get_computed_blocks(req)
         assert m.allocate_slots(req, req.num_tokens - hit, hit, blocks) is not None
-        (compile_,) = m.get_plan(req.request_id).compiles
-        assert len(compile_.anchor_tokens) == lead
-    entries = list(m.chunk_cache.entries.values())
-    assert sorted(len(e.anchor) for e in entries) == [0, len(SYSTEM) + 3]
+    first = tuple(opening("chat", 0).token_ids)
+    (c0, c2) = m.get_plan("a").compiles
+    assert c0.anchor_tokens == c2.anchor_tokens == first
+    assert not m.get_plan("b").compiles and not m.get_plan("c").compiles
+    assert canonical_ids(m, "a", 1) == canonical_ids(m, "b", 2) == canonical_ids(m, "c", 0)
+    assert canonical_ids(m, "a", 2) == canonical_ids(m, "b", 1)
+    assert m.metrics()["chunk_anchor_tokens"] == len(first)
 
 
-def test_the_chooser_forgets_no_decision_once_switched():
-    """After the switch every request is unanchored, whatever its opening; ``prefix`` and
-    ``none`` decide nothing."""
-    policy = dataclasses.replace(MepicConfig.from_options({}).parsed_policy, anchor="auto")
-    chooser = AnchorChooser(policy, B, SIM_MODEL)
+def test_the_chooser_fixes_the_first_opening_and_prefix_and_none_follow_the_request():
+    policy = dataclasses.replace(MepicConfig.from_options({}).parsed_policy, anchor="first")
+    chooser = AnchorChooser(policy)
+    assert chooser.choose([DOCS[0], Segment.prompt([7])]).tokens == ()  # no opening yet
     first = [opening("apps", 0), DOCS[0], Segment.prompt([7])]
-    assert chooser.choose(first, None).tokens == tuple(first[0].token_ids)
-    assert chooser.choose(first, "tenant-b").tokens  # another tenant: another document
-    assert chooser.choose([opening("apps", 1), DOCS[1]], None).tokens  # another document
-    assert chooser.choose([opening("apps", 1), DOCS[0]], None).tokens == ()
-    assert chooser.choose(first, None).tokens == () and chooser.switches == 1
+    assert chooser.peek(first).tokens == ()
+    assert chooser.choose(first).tokens == tuple(first[0].token_ids)
+    for i in range(1, 4):
+        assert chooser.choose([opening("apps", i), DOCS[i]]).tokens == chooser.engine_anchor
+    assert chooser.choose([DOCS[0]]).tokens == chooser.engine_anchor
     for mode in ("prefix", "none"):
-        fixed = AnchorChooser(dataclasses.replace(policy, anchor=mode), B, SIM_MODEL)
+        fixed = AnchorChooser(dataclasses.replace(policy, anchor=mode))
         for i in range(3):
-            got = fixed.choose([opening("apps", i), DOCS[0]], None).tokens
-            assert bool(got) == (mode == "prefix")
+            seg = opening("apps", i)
+            got = fixed.choose([seg, DOCS[0]]).tokens
+            assert got == (tuple(seg.token_ids) if mode == "prefix" else ())

@@ -35,7 +35,7 @@ def build(options: dict) -> MepicConfig:
         ),
         ({"blocksize": 3}, "unknown MEPIC option 'blocksize'; known: ['enabled', 'policy'"),
         ({"tier": [1]}, "'tier': Input should be a dictionary or an instance of TierConfig"),
-        ({"chunk_anchor": "system"}, "'chunk_anchor': Input should be 'auto', 'none' or 'prefix'"),
+        ({"chunk_anchor": "system"}, "'chunk_anchor': Input should be 'first', 'none' or 'prefix'"),
         ({"chunk_anchor_max_tokens": 0}, "'chunk_anchor_max_tokens': Input should be greater"),
         (
             {"chunk_anchor": "prefix", "policy": "epic-16"},

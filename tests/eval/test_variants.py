@@ -22,7 +22,7 @@ def test_a_variant_is_a_policy_and_typed_options():
     [
         ("mepic,chunk_anchor", "'chunk_anchor' is not OPTION=VALUE"),
         ("mepic,policy=naive", "option 'policy' given twice"),
-        ("mepic,chunk_anchor=system", "'chunk_anchor': Input should be 'auto', 'none' or 'prefix'"),
+        ("mepic,chunk_anchor=system", "Input should be 'first', 'none' or 'prefix'"),
         ("epic-16,chunk_anchor=prefix", "applies to shared-placement policies"),
         ("prefix,chunk_anchor=prefix", "stock vLLM (prefix) takes no MEPIC option"),
         ("mepik", "unknown policy 'mepik'"),

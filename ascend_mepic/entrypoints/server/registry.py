@@ -19,8 +19,8 @@ class RegisteredChunk:
     token_ids: tuple[int, ...]
     cache_salt: str | None
     created: float
-    # The prompt before the chunk in the requests that use it: under anchored compiles
-    # (``chunk_anchor: prefix``) the chunk is compiled, and pinned, after it.
+    # The prompt before the chunk in the requests that use it: under ``chunk_anchor: prefix``
+    # the chunk is compiled, and pinned, after it (under ``first``, if it is the engine's first).
     prefix: tuple[int, ...] = ()
 
 
@@ -28,7 +28,8 @@ def chunk_ref_id(
     token_ids: Sequence[int], cache_salt: str | None, prefix: Sequence[int] = ()
 ) -> str:
     """Registry id of a chunk: a hash of (salt, tokens[, prefix]), so tenants' ids never collide
-    and a chunk registered for another prefix (another anchored chunk) is another entry."""
+    and, under ``chunk_anchor: prefix``, a chunk registered for another prefix (another anchored
+    chunk) is another entry (the caller passes no prefix otherwise)."""
     h = hashlib.sha256(b"ascend-mepic-chunk-ref-v1\0")
     h.update(b"\0" if cache_salt is None else b"\1" + cache_salt.encode() + b"\0")
     h.update(",".join(map(str, token_ids)).encode())

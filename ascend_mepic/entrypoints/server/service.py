@@ -402,8 +402,11 @@ class MepicService:
         vocab = getattr(self.engine_client.model_config, "get_vocab_size", lambda: None)()
         if vocab is not None and any(not 0 <= t < vocab for t in [*ids, *prefix]):
             raise MepicRequestError(f"chunk and prefix token ids must be in [0, {vocab})")
+        # Only under `prefix` does the prefix name another chunk; under `first` every prefix
+        # names the engine's one copy (the first pin may still fix the engine's anchor).
+        keyed = prefix if self.policy.anchor == "prefix" else ()
         chunk = RegisteredChunk(
-            chunk_ref_id(ids, body.cache_salt, prefix),
+            chunk_ref_id(ids, body.cache_salt, keyed),
             tuple(ids),
             body.cache_salt,
             time.time(),
