@@ -66,15 +66,20 @@ class TierConfig:
     disk: Annotated[
         str,
         Strict(),
-        Field(description="a directory served by LMCache's `fs://` connector (persistent)"),
+        Field(
+            description=(
+                "a directory served by LMCache's `fs://` connector (persistent; shared, so it "
+                "needs a key)"
+            )
+        ),
     ] = ""
     remote: Annotated[
         str,
         Strict(),
         Field(
             description=(
-                "an LMCache remote URL shared by servers (`redis://host:port`, "
-                "`rediss://user:${PASSWORD_VAR}@host:port`: `${VAR}` read from the environment)"
+                "an LMCache remote URL shared by servers (needs a key): `redis://host:port`, "
+                "`rediss://user:${PASSWORD_VAR}@host:port` (`${VAR}`: read from the environment)"
             )
         ),
     ] = ""

@@ -213,6 +213,9 @@ class WorkerTier:
             return
         try:
             decode_entry(obj.tensor, chunk_id, kv.shape, kv.dtype, self.keyring).clone()
+        except TierEntryError as e:  # another entry under the key: loads will tell
+            logger.debug("MEPIC tier: no calibration on chunk %s: %s", chunk_id[:12], e)
+            return
         finally:
             obj.ref_count_down()
         self.load_cost[CPU_BACKEND] = (time.perf_counter() - start) / max(1, num_tokens)
@@ -249,7 +252,7 @@ class WorkerTier:
             self.counters[f"fallback_{kind}"] += 1
             self.counters["fallbacks"] += 1
             if kind == UNAUTHENTICATED:
-                self._refused(chunk_id, reason)
+                self._refused(chunk_id, key, reason)
             else:
                 logger.warning(
                     "MEPIC tier: chunk %s not loaded (%s); compiling it instead",
@@ -264,11 +267,16 @@ class WorkerTier:
         self.counters["bytes_loaded"] += nbytes
         return "ok"
 
-    def _refused(self, chunk_id: ChunkId, reason: str) -> None:
+    def _refused(self, chunk_id: ChunkId, key: Any, reason: str) -> None:
         """An entry no key of this server vouches for: logged once, counted always. It stays in
-        the shared backend (a server given the wrong key must not delete its peers' entries);
-        the compile's put replaces it with this server's sealed entry."""
+        the shared backend (a server given the wrong key must not delete its peers' entries),
+        where the compile's put replaces it with this server's sealed entry; it leaves the CPU
+        backend (which keeps a copy of what it fetched, and ignores a put of a key it holds)."""
         self.dir.marker(chunk_id).unlink(missing_ok=True)
+        try:
+            self.lmcache.remove(key, locations=[CPU_BACKEND])
+        except Exception as e:
+            logger.debug("MEPIC tier: could not drop %s from the CPU tier: %s", chunk_id[:12], e)
         log = logger.debug if self._refusal_logged else logger.warning
         self._refusal_logged = True
         log(

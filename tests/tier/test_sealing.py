@@ -228,6 +228,10 @@ def test_servers_share_sealed_entries_and_refuse_the_others(tmp_path, caplog):
         other_key = a.load(OTHER, _caches(), [1, 2, 3], 70, 0, 32)
         assert other_key == "unauthenticated: sealed under another key"
         assert d.keyring is not None and d.keyring.sealer.key_id == e.keyring.sealer.key_id
+
+        # c compiles what it refused: its put replaces the refused copy its CPU tier fetched
+        c.put(CHUNK, kv, 70)
+        assert c.load(CHUNK, _caches(), [1, 2, 3], 70, 0, 32) == "ok"
     finally:
         for tier in tiers.values():
             tier.close()
