@@ -241,13 +241,15 @@ def lmcache_key(chunk_id: ChunkId, namespace: str) -> Any:
     return CacheEngineKey(namespace, 1, 0, int(chunk_id[:32], 16), torch.uint8)
 
 
-TIER_NAMESPACE = "ascend-mepic-v1"  # bump when the entry format changes
+# Bump when the entry format changes. v2: sealed entries (format 3); v1's unsealed entries are
+# then misses, not refusals an operator would take for forgeries after the upgrade.
+TIER_NAMESPACE = "ascend-mepic-v2"
 
 
 def private_dir(path: Path) -> Path:
-    """Create ``path`` (and missing parents) readable by this user only (0o700): a tier
-    directory holds chunk KV or its bookkeeping. One that exists keeps its mode (the operator's
-    choice, e.g. a group of servers sharing a disk tier)."""
+    """Create ``path`` private to this user (0o700; missing parents get the default mode): a
+    tier directory holds chunk KV or its bookkeeping. One that exists keeps its mode (the
+    operator's choice, e.g. a group of servers sharing a disk tier)."""
     if not path.is_dir():
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.chmod(0o700)  # mkdir's mode is filtered by the umask
