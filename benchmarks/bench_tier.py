@@ -118,108 +118,129 @@ def kv_shape(model: str, tokens: int) -> tuple[int, int, int, int]:
     return config["num_hidden_layers"], tokens, heads, head
 
 
-def load_rate(tier_config: dict, root: Path, shape: tuple, chunks: int, seconds: float) -> dict:
-    """Loads per second of one worker tier: ``chunks`` distinct chunks put once, then loaded in
-    turn (each load fetches, opens or verifies, and copies into KV blocks) for ``seconds``."""
-    import torch
+class LoadLoop:
+    """One worker tier holding ``chunks`` distinct chunks, loaded in turn into KV blocks (each
+    load fetches, opens or verifies, and copies)."""
 
-    from ascend_mepic.tier.index import TierConfig
-    from ascend_mepic.tier.worker_io import WorkerTier
+    def __init__(self, tier_config: dict, root: Path, shape: tuple, chunks: int) -> None:
+        import torch
 
-    layers, tokens, heads, head = shape
-    block = 32
-    blocks = list(range(-(-tokens // block)))
-    caches = [torch.zeros(len(blocks), 2, block, heads, head) for _ in range(layers)]
-    tier = WorkerTier(TierConfig.parse(tier_config), root, "bench-tier")
-    try:
-        ids = [secrets.token_hex(32) for _ in range(chunks)]
-        for chunk_id in ids:
-            tier.put(chunk_id, torch.randn(layers, tokens, 2, heads * head), tokens)
-        tier.flush()
-        for chunk_id in ids:  # warm: page cache, LMCache's paths
-            assert tier.load(chunk_id, caches, blocks, tokens, 0, block) == "ok"
+        from ascend_mepic.tier.index import TierConfig
+        from ascend_mepic.tier.worker_io import WorkerTier
+
+        layers, self.tokens, heads, head = shape
+        self.blocks = list(range(-(-self.tokens // 32)))
+        self.caches = [torch.zeros(len(self.blocks), 2, 32, heads, head) for _ in range(layers)]
+        self.tier = WorkerTier(TierConfig.parse(tier_config), root, "bench-tier")
+        self.ids = [secrets.token_hex(32) for _ in range(chunks)]
+        for chunk_id in self.ids:
+            self.tier.put(chunk_id, torch.randn(layers, self.tokens, 2, heads * head), self.tokens)
+        self.tier.flush()
+        self.window(0.0)  # warm: page cache, LMCache's paths
+
+    def window(self, seconds: float) -> float:
+        """Milliseconds per load over at least ``seconds`` (and every chunk once)."""
         loads, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds or loads < chunks:
-            outcome = tier.load(ids[loads % chunks], caches, blocks, tokens, 0, block)
+        while time.perf_counter() - start < seconds or loads < len(self.ids):
+            chunk_id = self.ids[loads % len(self.ids)]
+            outcome = self.tier.load(chunk_id, self.caches, self.blocks, self.tokens, 0, 32)
             assert outcome == "ok", outcome
             loads += 1
-        elapsed = time.perf_counter() - start
-    finally:
-        tier.close()
-    return {"loads_per_s": loads / elapsed, "ms_per_load": elapsed / loads * 1e3, "loads": loads}
+        return (time.perf_counter() - start) / loads * 1e3
 
 
-def open_cost(shape: tuple, repeats: int = 20) -> dict[str, float]:
-    """Milliseconds to decode one entry (no backend, no copy into blocks): sealed (AES-256-GCM
-    open) and unsealed (BLAKE2b digest)."""
+def decode_costs(shape: tuple, repeats: int = 20) -> dict[str, float]:
+    """Milliseconds of a load's parts without a backend: decoding an entry sealed (AES-256-GCM
+    open) and unsealed (BLAKE2b digest), and copying the KV into blocks."""
     import torch
 
     from ascend_mepic.tier.sealing import Keyring, TierKey
+    from ascend_mepic.tier.transfer import load_tokens
     from ascend_mepic.tier.worker_io import decode_entry, encode_entry
 
     layers, tokens, heads, head = shape
     kv = torch.randn(layers, tokens, 2, heads * head)
     ring = Keyring((TierKey.from_hex(secrets.token_hex(32)),))
-    out = {}
+    blocks = list(range(-(-tokens // 32)))
+    caches = [torch.zeros(len(blocks), 2, 32, heads, head) for _ in range(layers)]
+    parts: dict[str, Callable[[], object]] = {}
     for name, key, keyring in (("sealed", ring.sealer, ring), ("unsealed", None, None)):
         blob = encode_entry("ab" * 32, kv, tokens, key)
-        decode_entry(blob, "ab" * 32, kv.shape, kv.dtype, keyring)
+        parts[name] = lambda b=blob, r=keyring: decode_entry(b, "ab" * 32, kv.shape, kv.dtype, r)
+    parts["copy"] = lambda: load_tokens(caches, kv, blocks, 0, 32)
+    out = {}
+    for name, part in parts.items():
+        part()
         start = time.perf_counter()
         for _ in range(repeats):
-            decode_entry(blob, "ab" * 32, kv.shape, kv.dtype, keyring)
+            part()
         out[name] = (time.perf_counter() - start) / repeats * 1e3
     return out
 
 
 def seal_bench(model: str, args: argparse.Namespace, tmp: str, key_file: str) -> dict:
-    """Loads per second with and without the key, CPU and disk tiers, side by side."""
+    """Milliseconds per load with and without the key, CPU and disk tiers, side by side: the
+    four tiers' windows interleaved over ``--load-rounds`` rounds (a shared machine's load
+    drifts), the median kept."""
     shape = kv_shape(model, args.load_tokens)
-    entry_mb = shape[0] * shape[1] * 2 * shape[2] * shape[3] * 4 / 1e6
-    results: dict = {"shape": shape, "entry_mb": entry_mb, "open_ms": open_cost(shape), "rates": {}}
-    for tier_name in ("cpu", "disk"):
-        for sealed in (True, False):
-            config: dict = {"cpu_gib": 1.0}
-            if tier_name == "disk":
-                config["disk"] = os.path.join(tmp, f"rate-{'sealed' if sealed else 'plain'}")
-                config["lmcache"] = {"local_cpu": False}  # every load reads the files
-            config.update({"key_file": key_file} if sealed else {})
-            if tier_name == "disk" and not sealed:
-                config["unauthenticated"] = True
-            name = f"{tier_name}/{'sealed' if sealed else 'unsealed'}"
-            print(f"measuring loads per second, {name} ...", file=sys.stderr, flush=True)
-            root = Path(tmp) / f"rate-root-{tier_name}-{sealed}"
-            rate = load_rate(config, root, shape, args.load_chunks, args.load_seconds)
-            results["rates"][name] = rate
-    return results
+    loops: dict[str, LoadLoop] = {}
+    try:
+        for tier_name in ("cpu", "disk"):
+            for sealed in (True, False):
+                name = f"{tier_name}/{'sealed' if sealed else 'unsealed'}"
+                config: dict = {"cpu_gib": 1.0}
+                if tier_name == "disk":
+                    config["disk"] = os.path.join(tmp, f"rate-{'sealed' if sealed else 'plain'}")
+                    config["lmcache"] = {"local_cpu": False}  # every load reads the files
+                config.update({"key_file": key_file} if sealed else {})
+                if tier_name == "disk" and not sealed:
+                    config["unauthenticated"] = True
+                root = Path(tmp) / f"rate-root-{tier_name}-{sealed}"
+                loops[name] = LoadLoop(config, root, shape, args.load_chunks)
+        print("measuring loads per second ...", file=sys.stderr, flush=True)
+        windows: dict[str, list[float]] = {name: [] for name in loops}
+        for _ in range(args.load_rounds):
+            for name, loop in loops.items():
+                windows[name].append(loop.window(args.load_seconds))
+    finally:
+        for loop in loops.values():
+            loop.tier.close()
+    return {
+        "shape": shape,
+        "entry_mb": shape[0] * shape[1] * 2 * shape[2] * shape[3] * 4 / 1e6,
+        "parts_ms": decode_costs(shape),
+        "ms_per_load": {name: statistics.median(w) for name, w in windows.items()},
+        "windows_ms": windows,
+    }
 
 
 def print_seal_bench(r: dict) -> None:
     layers, tokens, heads, head = r["shape"]
+    ms = r["ms_per_load"]
     print(
         f"loads per second of one worker tier, {tokens}-token chunks ({layers} layers, "
-        f"{heads}x{head} KV heads, float32: {r['entry_mb']:.2f} MB an entry)\n"
+        f"{heads}x{head} KV heads, float32: {r['entry_mb']:.2f} MB an entry), median of "
+        f"{len(next(iter(r['windows_ms'].values())))} interleaved windows\n"
     )
     print(
         "| tier | sealed loads/s | unsealed loads/s | sealed ms/load | unsealed ms/load | "
         "sealed/unsealed time |"
     )
     print("|---|---|---|---|---|---|")
-    for tier_name in ("cpu", "disk"):
-        s, u = r["rates"][f"{tier_name}/sealed"], r["rates"][f"{tier_name}/unsealed"]
+    for t in ("cpu", "disk"):
+        sealed, plain = ms[f"{t}/sealed"], ms[f"{t}/unsealed"]
         print(
-            f"| {tier_name} | {s['loads_per_s']:.1f} | {u['loads_per_s']:.1f} | "
-            f"{s['ms_per_load']:.2f} | {u['ms_per_load']:.2f} | "
-            f"{s['ms_per_load'] / u['ms_per_load']:.3f}x |"
+            f"| {t} | {1e3 / sealed:.1f} | {1e3 / plain:.1f} | {sealed:.2f} | {plain:.2f} | "
+            f"{sealed / plain:.3f}x |"
         )
-    o = r["open_ms"]
+    p = r["parts_ms"]
+    shares = ", ".join(
+        f"{p['sealed'] / ms[f'{t}/sealed'] * 100:.0f}% of a sealed {t} load"
+        for t in ("cpu", "disk")
+    )
     print(
-        f"\ndecoding one entry alone: sealed (AES-256-GCM open) {o['sealed']:.2f} ms, unsealed "
-        f"(BLAKE2b digest) {o['unsealed']:.2f} ms; the open is "
-        + ", ".join(
-            f"{o['sealed'] / r['rates'][f'{t}/sealed']['ms_per_load'] * 100:.0f}% of a sealed "
-            f"{t} load" for t in ("cpu", "disk")
-        )
-        + "\n"
+        f"\nparts of a load, alone: AES-256-GCM open {p['sealed']:.2f} ms, BLAKE2b digest "
+        f"{p['unsealed']:.2f} ms, copy into blocks {p['copy']:.2f} ms; the open is {shares}\n"
     )
 
 
@@ -247,7 +268,8 @@ def main() -> None:
     p.add_argument("--modes", default="always,never,auto")
     p.add_argument("--load-tokens", type=int, default=128, help="tokens a chunk (loads/s)")
     p.add_argument("--load-chunks", type=int, default=16, help="distinct chunks (loads/s)")
-    p.add_argument("--load-seconds", type=float, default=3.0, help="per tier and key (loads/s)")
+    p.add_argument("--load-seconds", type=float, default=1.0, help="a window (loads/s)")
+    p.add_argument("--load-rounds", type=int, default=5, help="windows per tier (loads/s)")
     p.add_argument("--loads-only", action="store_true", help="only the loads/s comparison")
     p.add_argument("--json", help="write all results here")
     p.add_argument("--job", help=argparse.SUPPRESS)

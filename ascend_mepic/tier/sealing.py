@@ -23,10 +23,10 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+if TYPE_CHECKING:  # imported when a key is made: every process reads the config, few seal
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ class TierKey:
 
     @classmethod
     def from_hex(cls, text: str) -> TierKey:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
         secret = bytes.fromhex(text)
         return cls(key_id(secret), AESGCM(secret))
 
@@ -71,6 +73,8 @@ class TierKey:
     def open_into(self, nonce: bytes, sealed: Any, aad: bytes, out: Any) -> None:
         """Decrypt ``sealed`` into ``out``; UnauthenticatedEntry if the tag does not verify
         (``out`` then holds garbage the caller must drop)."""
+        from cryptography.exceptions import InvalidTag
+
         try:
             self.aead.decrypt_into(nonce, sealed, aad, out)
         except InvalidTag:
