@@ -347,9 +347,13 @@ def main() -> None:
         plain = results.get(f"{tier_name}/always unsealed")
         if sealed and plain:
             s, u = sealed["ttft_s"]["tier"], plain["ttft_s"]["tier"]
+            backend = "RemoteBackend" if tier_name == "disk" else "LocalCPUBackend"
+            cost = f"tier_load_us_per_token_{backend}"  # the worker's measured loads (EMA)
+            ls, lu = sealed["metrics"].get(cost), plain["metrics"].get(cost)
+            per_token = f"; load cost {ls} vs {lu} us/token" if ls and lu else ""
             print(
                 f"{tier_name}: TTFT from the tier sealed {s * 1e3:.0f} ms vs unsealed "
-                f"{u * 1e3:.0f} ms: {s / u:.2f}x"
+                f"{u * 1e3:.0f} ms: {s / u:.2f}x{per_token}"
             )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
