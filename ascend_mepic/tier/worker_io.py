@@ -142,7 +142,8 @@ def decode_entry(
     if keyring is not None:
         payload = _open(raw, 8 + n, header, keyring)
     elif header.get("format") == SEALED_FORMAT:
-        raise TierEntryError("mismatch: sealed under a tier key, and this server has none")
+        # a keyless server cannot vouch for it either: refused, and left for the peers with a key
+        raise TierEntryError(f"{UNAUTHENTICATED}: sealed under a tier key, this server has none")
     else:
         payload = raw[8 + n :]
     if header.get("format") not in (ENTRY_FORMAT, SEALED_FORMAT):
@@ -280,8 +281,8 @@ class WorkerTier:
         log = logger.debug if self._refusal_logged else logger.warning
         self._refusal_logged = True
         log(
-            "MEPIC tier: refused chunk %s (%s): forged, sealed under a key this server does not "
-            "hold, or unsealed; compiling it instead. Further refusals are counted "
+            "MEPIC tier: refused chunk %s (%s): forged, altered, sealed under a key this server "
+            "does not hold, or unsealed; compiling it instead. Further refusals are counted "
             "(tier_worker_fallback_unauthenticated), not logged: check that every server "
             "sharing the tier holds the same tier key",
             chunk_id[:12], reason,
