@@ -10,6 +10,8 @@ SERVING_REQUIRES = [
     "blake3",
     "numpy",
     "huggingface_hub",
+    # the tier's sealing (tier/sealing.py): AESGCM.encrypt_into / decrypt_into since 47
+    "cryptography>=47",
 ]
 EVAL_REQUIRES = ["matplotlib", "tqdm", "gguf", "tokenizers"]
 
@@ -27,7 +29,8 @@ setup(
     ),
     # The simulator's device profiles and model shapes are data files inside the package.
     package_data={"ascend_mepic.eval.sim": ["profiles/*.json", "models/*/config.json"]},
-    # What serving imports (vLLM brings each of them too; no pins: vLLM's own decide).
+    # What serving imports (vLLM brings each of them but cryptography; no pins, vLLM's own
+    # decide, but a lower bound where an API needs one).
     install_requires=SERVING_REQUIRES,
     extras_require={
         # ascend-mepic bench/prepare/eval: plots, progress bars, the bundled model's GGUF and the

@@ -28,6 +28,7 @@ import asyncio
 import json
 import math
 import random
+import secrets
 import shutil
 import signal
 import statistics
@@ -141,7 +142,14 @@ def run_arm(args, model, requests, pool_bytes, policy, tier, workdir) -> dict:
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
-        mepic["tier"] = {"remote": f"redis://127.0.0.1:{port}", "cpu_gib": args.tier_cpu_gib}
+        key_file = workdir / f"{policy}-tier.key"  # the replicas share the tier's key
+        key_file.write_text(secrets.token_hex(32) + "\n")
+        key_file.chmod(0o600)
+        mepic["tier"] = {
+            "remote": f"redis://127.0.0.1:{port}",
+            "cpu_gib": args.tier_cpu_gib,
+            "key_file": str(key_file),
+        }
     serve = [
         "--dtype", "float32", "--enforce-eager", "--block-size", str(args.block_size),
         "--max-model-len", "2048", "--kv-cache-memory-bytes", str(pool_bytes),

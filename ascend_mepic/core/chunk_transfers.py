@@ -229,7 +229,9 @@ class TierTransfers:
             else:
                 tier.failed.add(load.chunk_id)
                 self.counters.tier_fallbacks += 1
-                logger.warning("MEPIC tier load of %s failed: %s", load.chunk_id[:12], result)
+                # the worker logs refused (unauthenticated) entries once; the rest per chunk
+                log = logger.debug if result.startswith("unauthenticated") else logger.warning
+                log("MEPIC tier load of %s failed: %s", load.chunk_id[:12], result)
 
     def wants_offload(self, chunk_id: ChunkId) -> bool:
         """Should this compile's canonical KV go to the tier (write-through on compile)?"""

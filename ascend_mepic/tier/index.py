@@ -12,6 +12,9 @@ compiled. The storage is LMCache's own ``StorageManager`` and backends, keyed by
   tier (warm restart, several servers on one host) uses the ``fs`` connector instead;
 * ``remote``: any LMCache remote URL, e.g. ``redis://127.0.0.1:6379``: several servers share it.
 
+A shared backend (``disk``, ``remote``) needs a tier key (``key_file`` / ``key_env``) that seals
+and authenticates its entries (``sealing.py``), or the explicit ``unauthenticated`` opt-out.
+
 This module is the scheduling side (no tensors): the tier's configuration, LMCache keys, and
 :class:`TierIndex`, which answers "is this chunk in the tier, and should it be loaded?". The
 worker side (``worker/tier_io.py``) moves and verifies the KV. The two run in different processes;
@@ -36,6 +39,7 @@ from pydantic.dataclasses import dataclass as options_dataclass
 
 from ascend_mepic.core.identity import ChunkId
 from ascend_mepic.core.options import OPTIONS, build
+from ascend_mepic.tier.sealing import MAKE_KEY, Keyring
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +66,22 @@ class TierConfig:
     disk: Annotated[
         str,
         Strict(),
-        Field(description="a directory served by LMCache's `fs://` connector (persistent)"),
+        Field(
+            description=(
+                "a directory served by LMCache's `fs://` connector (persistent; shared, so it "
+                "needs a key)"
+            )
+        ),
     ] = ""
     remote: Annotated[
         str,
         Strict(),
-        Field(description="an LMCache remote URL shared by servers (`redis://host:port`)"),
+        Field(
+            description=(
+                "an LMCache remote URL shared by servers (needs a key): `redis://host:port`, "
+                "`rediss://user:${PASSWORD_VAR}@host:port` (`${VAR}`: read from the environment)"
+            )
+        ),
     ] = ""
     offload: Annotated[
         Literal["compile"], Field(description="when chunks are written to the tier")
@@ -79,6 +93,31 @@ class TierConfig:
     lmcache: Annotated[dict[str, Any], Field(description="extra LMCache config keys")] = field(
         default_factory=dict
     )
+    key_file: Annotated[
+        str,
+        Strict(),
+        Field(
+            description=(
+                "a file of tier keys (64 hex characters each, one a line; the first seals new "
+                "entries, all open them); servers sharing a tier share it"
+            )
+        ),
+    ] = ""
+    key_env: Annotated[
+        str,
+        Strict(),
+        Field(description="the name of an environment variable holding tier keys (not a key)"),
+    ] = ""
+    unauthenticated: Annotated[
+        bool,
+        Strict(),
+        Field(
+            description=(
+                "run a shared tier (`disk`, `remote`) without a key: whoever can write it can "
+                "make servers answer from forged KV, whoever can read it reads every tenant's KV"
+            )
+        ),
+    ] = False
 
     @model_validator(mode="after")
     def _one_shared_backend(self) -> TierConfig:
@@ -88,6 +127,28 @@ class TierConfig:
                 "tier.remote, not both"
             )
         return self
+
+    @model_validator(mode="after")
+    def _shared_tier_is_keyed(self) -> TierConfig:
+        """A tier other processes can write must be keyed, unless the operator opts out."""
+        keyed = bool(self.key_file or self.key_env)
+        if keyed and self.unauthenticated:
+            raise ValueError("tier: give a key (key_file, key_env) or unauthenticated, not both")
+        shared = self.disk or self.remote or self.lmcache.get("remote_url")
+        if shared and not keyed and not self.unauthenticated:
+            raise ValueError(
+                "a shared tier (disk, remote) needs a key that the servers sharing it share, so "
+                "that no one who can write it can make them answer from forged KV: make one with "
+                f"`{MAKE_KEY}` and give `\"key_file\": \"/path/to/tier.key\"` (or `key_env`: the "
+                'name of an environment variable holding it), or set `"unauthenticated": true` '
+                "to accept that risk"
+            )
+        self.keyring()  # a missing or malformed key fails here, when the config is built
+        return self
+
+    def keyring(self, warn: bool = False) -> Keyring | None:
+        """The configured tier keys (read from ``key_file`` / ``key_env`` at each call)."""
+        return Keyring.load(self.key_file, self.key_env, warn=warn)
 
     @classmethod
     def parse(cls, raw: Any) -> TierConfig:
@@ -114,7 +175,11 @@ class TierConfig:
             "remote_serde": "naive",
             "save_unfull_chunk": True,
         }
-        if self.shared_url:
+        if self.remote:
+            # ``${VAR}`` (a Redis password) is expanded here only: vLLM logs the config with
+            # the placeholder, not the secret.
+            config["remote_url"] = os.path.expandvars(self.remote)
+        elif self.disk:
             config["remote_url"] = self.shared_url
         config.update(self.lmcache)
         return config
@@ -139,6 +204,8 @@ def open_lmcache(config: TierConfig, model_name: str, store_in_cpu: bool) -> Any
         kv_shape=(1, 2, 256, 1, 1),
         role="worker",  # LMCache's "scheduler" role cannot open remote backends in 0.5.6
     )
+    if config.disk:
+        private_dir(Path(config.disk))
     engine_config = LMCacheEngineConfig.from_dict(config.lmcache_dict(store_in_cpu))
     # LMCache starts non-daemon threads (event loop, backends) that would keep an engine process
     # alive after it failed or finished; threads inherit daemon status from their creator, so
@@ -174,7 +241,19 @@ def lmcache_key(chunk_id: ChunkId, namespace: str) -> Any:
     return CacheEngineKey(namespace, 1, 0, int(chunk_id[:32], 16), torch.uint8)
 
 
-TIER_NAMESPACE = "ascend-mepic-v1"  # bump when the entry format changes
+# Bump when the entry format changes. v2: sealed entries (format 3); v1's unsealed entries are
+# then misses, not refusals an operator would take for forgeries after the upgrade.
+TIER_NAMESPACE = "ascend-mepic-v2"
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` private to this user (0o700; missing parents get the default mode): a
+    tier directory holds chunk KV or its bookkeeping. One that exists keeps its mode (the
+    operator's choice, e.g. a group of servers sharing a disk tier)."""
+    if not path.is_dir():
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.chmod(0o700)  # mkdir's mode is filtered by the umask
+    return path
 
 
 def _atomic_json(path: Path, payload: Any) -> None:
@@ -191,8 +270,9 @@ class TierDir:
     root: Path
 
     def __post_init__(self) -> None:
-        (self.root / "markers").mkdir(parents=True, exist_ok=True)
-        (self.root / "results").mkdir(parents=True, exist_ok=True)
+        private_dir(self.root)
+        (self.root / "markers").mkdir(mode=0o700, exist_ok=True)
+        (self.root / "results").mkdir(mode=0o700, exist_ok=True)
 
     def marker(self, chunk_id: ChunkId) -> Path:
         return self.root / "markers" / chunk_id

@@ -36,6 +36,10 @@ TOTALS = {
     "tier_worker_puts": "Chunks offloaded to the tier",
     "tier_worker_bytes_stored": "Bytes offloaded to the tier",
     "tier_worker_bytes_loaded": "Bytes loaded from the tier",
+    "tier_worker_fallback_unauthenticated": (
+        "Tier entries refused: no tier key of this server vouches for them (forged, sealed under "
+        "another key, or unsealed); compiled instead"
+    ),
 }
 LEVELS = {
     "resident_chunks": "Chunks with KV resident in the pool",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 
 import pytest
@@ -150,7 +151,12 @@ def test_tier_misses_a_chunk_stored_under_other_weights(tmp_path):
     id_b = chunk_identity(TOKENS, BLOCK, fingerprint(model))
     assert id_a != id_b
 
-    config = TierConfig.parse({"cpu_gib": 0.05, "disk": str(tmp_path / "shared")})
+    key = tmp_path / "tier.key"  # the key both servers share
+    key.write_text(secrets.token_hex(32))
+    key.chmod(0o600)
+    config = TierConfig.parse(
+        {"cpu_gib": 0.05, "disk": str(tmp_path / "shared"), "key_file": str(key)}
+    )
     kv = torch.randn(2, len(TOKENS), 2, 4 * 8)  # 2 layers, the chunk's canonical tokens
     writer = WorkerTier(config, tmp_path / "server-a", str(model))
     reader_index = TierIndex(config, tmp_path / "server-b", str(model))

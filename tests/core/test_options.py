@@ -52,7 +52,9 @@ def test_a_wrong_option_fails_when_the_config_is_built_naming_the_field(options,
 def test_every_error_is_reported_at_once_and_valid_options_are_typed_and_frozen():
     with pytest.raises(ValueError, match="'enabled'.*; .*'compile_token_fraction'"):
         build({"enabled": "yes", "compile_token_fraction": 2})
-    config = build({"compile_token_fraction": 1, "tier": {"cpu_gib": 2, "disk": "/x"}})
+    config = build(
+        {"compile_token_fraction": 1, "tier": {"cpu_gib": 2, "disk": "/x", "unauthenticated": True}}
+    )
     assert config.compile_token_fraction == 1.0 and type(config.compile_token_fraction) is float
     assert (
         config.tier.enabled and config.tier.cpu_gib == 2.0 and not build({"tier": {}}).tier.enabled

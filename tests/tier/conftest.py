@@ -1,13 +1,29 @@
-"""The tier tests' Redis: a real ``redis-server`` on a free port, killed afterwards."""
+"""The tier tests' Redis (a real ``redis-server`` on a free port, killed afterwards) and tier
+keys (files in a temporary folder)."""
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
+
+
+def write_key_file(path: Path, *keys: str) -> str:
+    """A tier key file holding ``keys`` (one fresh key if none), private to this user."""
+    path.write_text("".join(k + "\n" for k in keys or (secrets.token_hex(32),)))
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.fixture
+def tier_key(tmp_path) -> str:
+    """The path of a fresh tier key file: the key that servers sharing a test's tier share."""
+    return write_key_file(tmp_path / "tier.key")
 
 
 def _free_port() -> int:

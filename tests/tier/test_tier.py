@@ -86,11 +86,14 @@ def test_cpu_tier_reloads_evicted_chunks(model, prompts, untiered, block_size):
     assert untiered["metrics"]["chunk_misses"] == 6  # without the tier: compiled every time
 
 
-def test_disk_tier_survives_restart_and_rejects_corruption(model, prompts, untiered, tmp_path):
-    tier = {"cpu_gib": 0.1, "disk": str(tmp_path / "tier"), "load": "always"}
+def test_disk_tier_survives_restart_and_rejects_altered_entries(
+    model, prompts, untiered, tmp_path, tier_key
+):
+    tier = {"cpu_gib": 0.1, "disk": str(tmp_path / "tier"), "load": "always", "key_file": tier_key}
     first = _run(model, prompts, tier)
     _same_outputs(first, untiered)
     assert first["metrics"]["tier_worker_puts"] == 2
+    assert (tmp_path / "tier").stat().st_mode & 0o777 == 0o700  # the server made it: private
 
     restarted = _run(model, prompts, tier)  # a new engine process: warm restart
     _same_outputs(restarted, untiered)
@@ -100,19 +103,20 @@ def test_disk_tier_survives_restart_and_rejects_corruption(model, prompts, untie
 
     files = sorted(p for p in (tmp_path / "tier").rglob("*") if p.is_file())
     assert len(files) == 2
-    for path in files:  # flip payload bytes, keep the size
+    for path in files:  # flip sealed payload bytes, keep the size: the tag no longer verifies
         data = bytearray(path.read_bytes())
         data[-100:] = bytes(255 - x for x in data[-100:])
         path.write_bytes(bytes(data))
     corrupted = _run(model, prompts, tier)
     _same_outputs(corrupted, untiered)
     m = corrupted["metrics"]
-    assert m["tier_fallbacks"] == 2 and m["tier_worker_fallback_corrupt"] == 2
+    assert m["tier_fallbacks"] == 2 and m["tier_worker_fallback_unauthenticated"] == 2
     assert m["chunk_misses"] >= 2  # compiled instead, then served from the fresh entries
 
 
 def test_salts_isolate_in_the_tier(model, prompts, tmp_path):
     tier = {"cpu_gib": 0.1, "disk": str(tmp_path / "tier"), "load": "always"}
+    tier["unauthenticated"] = True  # about salts, not keys
     got = _run(model, prompts, tier, salts=("tenant-a", "tenant-b", "tenant-b"))
     m = got["metrics"]
     # tenant-b never loads tenant-a's chunks: it compiles them, then reloads its own.
@@ -120,9 +124,11 @@ def test_salts_isolate_in_the_tier(model, prompts, tmp_path):
     assert m["tier_worker_puts"] == 4
 
 
-def test_two_engines_share_redis_and_survive_its_death(model, prompts, untiered, redis_url):
+def test_two_engines_share_redis_and_survive_its_death(
+    model, prompts, untiered, redis_url, tier_key
+):
     proc, url = redis_url
-    tier = {"cpu_gib": 0.1, "remote": url, "load": "always"}
+    tier = {"cpu_gib": 0.1, "remote": url, "load": "always", "key_file": tier_key}
     first = _run(model, prompts, tier)
     _same_outputs(first, untiered)
     second = _run(model, prompts, tier)  # another engine process: loads what the first put
@@ -150,7 +156,7 @@ def _wait_for_redis_entries(url: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def test_two_servers_share_chunks_through_redis(model, redis_url, tmp_path):
+def test_two_servers_share_chunks_through_redis(model, redis_url, tmp_path, tier_key):
     """Two ``ascend-mepic serve`` processes on one Redis: the second loads the first's chunk.
 
     The second runs two API servers (``--api-server-count 2``: vLLM's manager, prometheus'
@@ -162,7 +168,8 @@ def test_two_servers_share_chunks_through_redis(model, redis_url, tmp_path):
     from tests.entrypoints.test_server import DOCS, fresh_stats, launch_server, marked
 
     _, url = redis_url
-    config = {"mepic": {"tier": {"cpu_gib": 0.1, "remote": url, "load": "always"}}}
+    tier = {"cpu_gib": 0.1, "remote": url, "load": "always", "key_file": tier_key}
+    config = {"mepic": {"tier": tier}}
     args = ["--additional-config", json.dumps(config)]
     prompt = marked(DOCS[0] + " " + DOCS[1], "What does the farmer remember?")
     texts, stats = [], []

@@ -86,7 +86,8 @@ def test_load_decision():
 
 def test_tier_config_errors():
     assert not TierConfig.parse({}).enabled
-    assert TierConfig.parse({"disk": "/x"}).shared_url == "fs://localhost:0/x"
+    shared = TierConfig.parse({"disk": "/x", "unauthenticated": True})
+    assert shared.shared_url == "fs://localhost:0/x"
     with pytest.raises(ValueError, match="unknown MEPIC tier option"):
         TierConfig.parse({"cpu": 1})
     with pytest.raises(ValueError, match="not both"):
@@ -99,14 +100,15 @@ def test_tier_config_errors():
     assert config.tier.enabled and config.tier.cpu_gib == 1
 
 
-def test_flush_waits_for_puts_to_reach_the_shared_backend(redis_url, tmp_path):
+def test_flush_waits_for_puts_to_reach_the_shared_backend(redis_url, tmp_path, tier_key):
     """LMCache writes a put to a remote backend in the background; ``flush`` (run by ``close``)
     returns once the remote holds it, so what a worker put before shutting down reaches the
     other servers. Redis holds its writes for a second here: the put cannot land before."""
     import redis
 
     _, url = redis_url
-    worker = WorkerTier(TierConfig.parse({"cpu_gib": 0.05, "remote": url}), tmp_path, "tiny")
+    config = TierConfig.parse({"cpu_gib": 0.05, "remote": url, "key_file": tier_key})
+    worker = WorkerTier(config, tmp_path, "tiny")
     direct = redis.Redis.from_url(url)
     try:
         assert direct.execute_command("CLIENT", "PAUSE", 1000, "WRITE")

@@ -28,6 +28,7 @@ def test_the_plugin_sets_gauges_from_the_engines_stats_file(tmp_path):
             "resident_chunks": 2,
             "blocks_free": 90,
             "blocks_chunk_shared_idle": 9,
+            "tier_worker_fallback_unauthenticated": 2,  # tier entries refused (issue #76)
         },
     }
     path.write_text(json.dumps(stats))
@@ -38,6 +39,7 @@ def test_the_plugin_sets_gauges_from_the_engines_stats_file(tmp_path):
         value("ascend_mepic_chunk_hits_total") == 3 and value("ascend_mepic_resident_chunks") == 2
     )
     assert value("ascend_mepic_num_blocks") == 99 and value("ascend_mepic_block_size") == 16
+    assert value("ascend_mepic_tier_worker_fallback_unauthenticated_total") == 2
     assert value("ascend_mepic_kv_blocks", {"category": "chunk_shared_idle"}) == 9
     assert value("ascend_mepic_stats_timestamp_seconds") == 1234.5
     stats["metrics"]["chunk_hits"] = 5
