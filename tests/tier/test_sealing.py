@@ -7,6 +7,7 @@ import json
 import logging
 import secrets
 import struct
+import time
 
 import pytest
 import torch
@@ -223,8 +224,12 @@ def test_servers_share_sealed_entries_and_refuse_the_others(tmp_path, caplog):
         # rotation: new key first, old second: reads the old entries, seals with the new key
         assert d.load(CHUNK, _caches(), [1, 2, 3], 70, 0, 32) == "ok"
         d.put(OTHER, kv2, 70)  # replaces the forger's entry
-        assert d.flush() == 0
-        assert e.load(OTHER, _caches(), [1, 2, 3], 70, 0, 32) == "ok"  # the new key alone
+        assert d.flush() == 0  # sees the key exist: the forger's, until d's write lands
+        deadline = time.monotonic() + 30
+        while (got := e.load(OTHER, _caches(), [1, 2, 3], 70, 0, 32)) != "ok":
+            assert got.startswith("unauthenticated")  # the forger's, or d's half written
+            assert time.monotonic() < deadline, "d's entry never replaced the forger's"
+            time.sleep(0.05)
         other_key = a.load(OTHER, _caches(), [1, 2, 3], 70, 0, 32)
         assert other_key == "unauthenticated: sealed under another key"
         assert d.keyring is not None and d.keyring.sealer.key_id == e.keyring.sealer.key_id
