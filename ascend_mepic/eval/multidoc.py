@@ -164,13 +164,11 @@ def _question(org: _Org, rng: random.Random) -> tuple[str, str]:
     )
 
 
-def multidoc_requests(
-    tokenizer: Any, num_questions: int, num_docs: int = 6, seed: int = 0, pool_size: int = 48
-) -> list[QA]:
-    """The synthetic multi-document set: ``num_docs`` documents of a ``pool_size`` pool per
-    request (the gold one at a uniformly drawn position), a question on one fact of the gold."""
-    from ascend_mepic.eval.squad_prompts import chat_segments
-
+def multidoc_items(
+    num_questions: int, num_docs: int = 6, seed: int = 0, pool_size: int = 48
+) -> list[tuple[str, str, str, list[str]]]:
+    """The synthetic set as text, (id, question, answer, documents) per request, so a caller
+    can wrap the same documents in other openings (``bench fidelity-ref --openings``)."""
     if not 1 <= num_docs <= pool_size:
         raise ValueError(f"need 1 <= docs <= pool size, got {num_docs} and {pool_size}")
     rng = random.Random(f"multidoc:{seed}")
@@ -181,9 +179,33 @@ def multidoc_requests(
         picked = rng.sample(range(pool_size), num_docs)
         gold = picked[rng.randrange(num_docs)]
         question, answer = _question(pool[gold], rng)
-        segs = chat_segments(tokenizer, question, [docs[j] for j in picked])
-        out.append(QA(f"multidoc-{seed}-{i}", question, (answer,), tuple(segs)))
+        out.append((f"multidoc-{seed}-{i}", question, answer, [docs[j] for j in picked]))
     return out
+
+
+def multidoc_chat_turns(count: int, seed: int = 0) -> list[tuple[str, str]]:
+    """``count`` distinct (question, answer) pairs about a second, separately seeded set of
+    organisations: earlier chat turns that differ per request (``--openings chat``)."""
+    rng = random.Random(f"multidoc-turns:{seed}")
+    pool = _org_pool(max(8, count), rng)
+    seen: dict[str, str] = {}
+    while len(seen) < count:
+        q, a = _question(rng.choice(pool), rng)
+        seen.setdefault(q, a)
+    return list(seen.items())
+
+
+def multidoc_requests(
+    tokenizer: Any, num_questions: int, num_docs: int = 6, seed: int = 0, pool_size: int = 48
+) -> list[QA]:
+    """The synthetic multi-document set: ``num_docs`` documents of a ``pool_size`` pool per
+    request (the gold one at a uniformly drawn position), a question on one fact of the gold."""
+    from ascend_mepic.eval.squad_prompts import chat_segments
+
+    return [
+        QA(i, q, (a,), tuple(chat_segments(tokenizer, q, docs)))
+        for i, q, a, docs in multidoc_items(num_questions, num_docs, seed, pool_size)
+    ]
 
 
 def squad_qa(

@@ -48,6 +48,9 @@ per (anchor, chunk tokens), the same for every request, never written by a reque
   system message and instruction) share entries and a request with another prefix gets its own.
 * ``anchor=fixed``: compiled after ``fixed_anchor`` (a per-model or per-deployment text, e.g.
   the chat template's opening with a fixed system message), whatever the request's prefix.
+* ``anchor=first`` / ``anchor=auto``: anchors chosen by a sequence of requests (the opening of
+  the first request that read the chunk; ``prefix`` until a chunk is read under another
+  opening, then none); the caller passes them per chunk (``prefill(..., chunk_anchors)``).
 * ``pick=qF``: the K private tokens of a chunk of more than K tokens are its first F plus the
   K - F others with the most attention from the question rows (the trailing prompt segment)
   over the naive assembly (every chunk token canonical, same anchor), averaged over layers,
@@ -143,9 +146,15 @@ def parse_policy(name: str) -> tuple[str, int | None]:
 
 
 ANCHOR_KINDS = ("prefix", "fixed")
-_OPTION = re.compile(r"^(?:anchor=(prefix|fixed)|pick=q(\d*)|T=([0-9.]+)|S=([0-9.]+))$")
+# Anchors chosen by a sequence of requests (bench fidelity-ref --openings): passed as chunk_anchors.
+SEQUENCE_ANCHORS = ("first", "auto", "engine")
+_OPTION = re.compile(
+    r"^(?:anchor=(prefix|fixed|first|auto|engine)|pick=q(\d*)|T=([0-9.]+)|S=([0-9.]+))$"
+)
 _VARIANT_HELP = (
-    "naive|mepic|mepic-K, then +anchor=prefix|fixed, +pick=q or +pick=qF (F first tokens kept, "
+    "naive|mepic|mepic-K, then +anchor=prefix|fixed|first|auto|engine (the last three: sequence "
+    "state), "
+    "+pick=q or +pick=qF (F first tokens kept, "
     "F < K), +T=x, +S=y (x, y > 0); pick needs a mepic base"
 )
 
@@ -606,11 +615,20 @@ class PolicyReference:
         raise AssertionError(kind)
 
     @torch.inference_mode()
-    def prefill(self, segments: Sequence[Segment], policy: str) -> PromptState:
+    def prefill(
+        self,
+        segments: Sequence[Segment],
+        policy: str,
+        chunk_anchors: Sequence[Sequence[int]] | None = None,
+    ) -> PromptState:
         """The request's prompt under ``policy`` (a policy or a variant, :func:`parse_variant`):
-        KV of every token and next-token log-probs."""
+        KV of every token and next-token log-probs. ``chunk_anchors`` (variants without pick):
+        each chunk's compile anchor, in chunk order, instead of the variant's own; how anchors
+        that depend on earlier requests (``anchor=first|auto``) reach a request."""
         if is_variant(policy):
-            return self._prefill_variant(segments, parse_variant(policy))
+            return self._prefill_variant(segments, parse_variant(policy), chunk_anchors)
+        if chunk_anchors is not None:
+            raise ValueError(f"chunk_anchors need a variant, got {policy!r}")
         kind, arg = parse_policy(policy)
         tokens = _request_tokens(segments)
         n = len(tokens)
@@ -660,6 +678,8 @@ class PolicyReference:
         ``fixed_anchor``."""
         if anchor is None:
             return ()
+        if anchor in SEQUENCE_ANCHORS:
+            raise ValueError(f"anchor={anchor} depends on earlier requests: pass chunk_anchors")
         if anchor == "fixed":
             if self.fixed_anchor is None:
                 raise ValueError("anchor=fixed needs fixed_anchor (the anchor's token ids)")
@@ -746,13 +766,19 @@ class PolicyReference:
         chosen = _top(scores[v.pick :], v.k - v.pick) + v.pick
         return torch.sort(torch.cat([torch.arange(v.pick), chosen])).values
 
-    def _prefill_variant(self, segments: Sequence[Segment], v: Variant) -> PromptState:
+    def _prefill_variant(
+        self, segments: Sequence[Segment], v: Variant, chunk_anchors: Sequence[Sequence[int]] | None
+    ) -> PromptState:
         """A variant's prompt: private chunk tokens fresh at every layer, the others read from
-        the chunk's canonical entry (compiled after the variant's anchor)."""
+        the chunk's canonical entry (compiled after the variant's or ``chunk_anchors``' anchor)."""
         tokens = _request_tokens(segments)
         n = len(tokens)
         pos = torch.arange(n)
-        anchor = self.anchor_tokens(segments, v.anchor)
+        n_chunks = sum(s.kind is SegmentKind.CHUNK for s in segments)
+        if chunk_anchors is not None and (v.pick is not None or len(chunk_anchors) != n_chunks):
+            raise ValueError("chunk_anchors: one per chunk, and not with pick")
+        anchors = iter(chunk_anchors or ())
+        anchor = () if chunk_anchors is not None else self.anchor_tokens(segments, v.anchor)
         scores, probe_tokens = None, 0
         needs_probe = v.pick is not None and any(
             s.kind is SegmentKind.CHUNK and len(s.token_ids) > v.k for s in segments
@@ -770,6 +796,8 @@ class PolicyReference:
                 chunk_rows[offset : offset + L] = True
                 local = None if scores is None else scores[offset : offset + L]
                 offs = self._variant_offsets(v, seg.token_ids, local)
+                if chunk_anchors is not None:
+                    anchor = tuple(next(anchors))
                 if offs is not None:
                     fresh[offset : offset + L] = False
                     fresh[offset + offs] = True

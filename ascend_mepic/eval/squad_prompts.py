@@ -35,10 +35,17 @@ SEPARATOR = "\n\n"
 _SENTINEL = "\x00PIC{}\x00"
 
 
-def _messages(question: str, paragraphs: Sequence[str]) -> list[dict[str, str]]:
+def _messages(
+    question: str, paragraphs: Sequence[str], system: str, history: Sequence[tuple[str, str]]
+) -> list[dict[str, str]]:
     body = "".join(SEPARATOR + p.strip() for p in paragraphs)
     user = f"{INSTRUCTION}{body}{SEPARATOR}Question: {question}"
-    return [{"role": "system", "content": SYSTEM_MESSAGE}, {"role": "user", "content": user}]
+    earlier = [
+        {"role": role, "content": text}
+        for q, a in history
+        for role, text in (("user", q), ("assistant", a))
+    ]
+    return [{"role": "system", "content": system}, *earlier, {"role": "user", "content": user}]
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]]) -> str:
@@ -46,15 +53,20 @@ def _render(tokenizer: Any, messages: list[dict[str, str]]) -> str:
 
 
 def chat_pieces(
-    tokenizer: Any, question: str, paragraphs: Sequence[str]
+    tokenizer: Any,
+    question: str,
+    paragraphs: Sequence[str],
+    system: str = SYSTEM_MESSAGE,
+    history: Sequence[tuple[str, str]] = (),
 ) -> list[tuple[SegmentKind, str]]:
     """The rendered chat prompt as (kind, text) pieces whose concatenation is the rendering.
 
     The template is rendered once with sentinels in place of the paragraphs to find where the
-    prompt text around them starts and ends, whatever the template adds.
+    prompt text around them starts and ends, whatever the template adds. ``system`` and the
+    earlier (user, assistant) turns of ``history`` end up in the leading PROMPT piece.
     """
     marks = [_SENTINEL.format(i) for i in range(len(paragraphs))]
-    shaped = _render(tokenizer, _messages(question, marks))
+    shaped = _render(tokenizer, _messages(question, marks, system, history))
     cut = shaped.split(SEPARATOR + marks[0], 1)
     if len(cut) != 2:
         raise ValueError("the chat template altered the user message; cannot locate documents")
@@ -66,22 +78,35 @@ def chat_pieces(
     pieces = [(SegmentKind.PROMPT, prefix)]
     pieces += [(SegmentKind.CHUNK, SEPARATOR + p.strip()) for p in paragraphs]
     pieces.append((SegmentKind.PROMPT, rest))
-    if "".join(t for _, t in pieces) != _render(tokenizer, _messages(question, paragraphs)):
+    whole = _render(tokenizer, _messages(question, paragraphs, system, history))
+    if "".join(t for _, t in pieces) != whole:
         raise ValueError("the chat template rendered the documents differently from sentinels")
     return pieces
 
 
-def chat_segments(tokenizer: Any, question: str, paragraphs: Sequence[str]) -> list[Segment]:
+def chat_segments(
+    tokenizer: Any,
+    question: str,
+    paragraphs: Sequence[str],
+    system: str = SYSTEM_MESSAGE,
+    history: Sequence[tuple[str, str]] = (),
+) -> list[Segment]:
     """Segments of one request, each piece tokenized alone without special-token insertion."""
     return [
         Segment(kind, tuple(tokenizer.encode(text, add_special_tokens=False)))
-        for kind, text in chat_pieces(tokenizer, question, paragraphs)
+        for kind, text in chat_pieces(tokenizer, question, paragraphs, system, history)
     ]
 
 
-def template_ids(tokenizer: Any, question: str, paragraphs: Sequence[str]) -> list[int]:
+def template_ids(
+    tokenizer: Any,
+    question: str,
+    paragraphs: Sequence[str],
+    system: str = SYSTEM_MESSAGE,
+    history: Sequence[tuple[str, str]] = (),
+) -> list[int]:
     """The token ids of the template applied to the whole text (what a plain chat request sends)."""
-    text = _render(tokenizer, _messages(question, paragraphs))
+    text = _render(tokenizer, _messages(question, paragraphs, system, history))
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -17,6 +17,11 @@ prints, against full recompute:
   entries of chunk KV), and the reference's wall time per request (probe pass included; the
   shared canonical compiles reported apart).
 
+``--openings one apps chat`` serves one sequence of requests over a shared document pool
+with openings that differ per scenario and adds what each variant must store (chunk compiles,
+copies per document) and the sequence-state variants ``anchor=first|auto``
+(:mod:`ascend_mepic.eval.bench.fidelity_pool`).
+
 Per-request records go to ``--jsonl`` as they finish (``--resume`` skips the ones there), so a
 long run can be read while it goes; ``--from-jsonl`` renders the table from records alone.
 """
@@ -106,8 +111,11 @@ def evaluate_request(
     variants: Sequence[str],
     max_tokens: int,
     eos: Sequence[int],
+    chunk_anchors: Mapping[str, Sequence[Sequence[int]]] | None = None,
 ) -> dict[str, Any]:
-    """One request under full and every variant: the per-variant record (see module doc)."""
+    """One request under full and every variant: the per-variant record (see module doc).
+    ``chunk_anchors``: per variant, each chunk's compile anchor chosen by the caller (anchors
+    that depend on the sequence of requests, :mod:`.fidelity_pool`)."""
     from ascend_mepic.eval.bench import stats
     from ascend_mepic.eval.bench.fidelity import answer_text
     from ascend_mepic.eval.policy_reference import is_variant, parse_variant
@@ -119,15 +127,17 @@ def evaluate_request(
     full_s = time.perf_counter() - t0
     # Canonical compiles first (shared by every variant; timed apart), then the probe passes.
     t0 = time.perf_counter()
-    anchors = {parse_variant(v).anchor for v in variants if is_variant(v)}
+    given = dict(chunk_anchors or {})
+    anchors = {parse_variant(v).anchor for v in variants if is_variant(v) and v not in given}
     plain = any(not is_variant(v) for v in variants) or None in anchors
-    for seg in segs:
-        if seg.kind is not SegmentKind.CHUNK:
-            continue
+    chunks = [seg.token_ids for seg in segs if seg.kind is SegmentKind.CHUNK]
+    for c, toks in enumerate(chunks):
         if plain:
-            ref.canonical_kv(seg.token_ids)
+            ref.canonical_kv(toks)
         for a in anchors - {None}:
-            ref.canonical_kv(seg.token_ids, anchor=ref.anchor_tokens(segs, a))
+            ref.canonical_kv(toks, anchor=ref.anchor_tokens(segs, a))
+        for a in dict.fromkeys(tuple(per[c]) for per in given.values()):
+            ref.canonical_kv(toks, anchor=a)
     compile_s = time.perf_counter() - t0
     probe_s: dict[str | None, float] = {}
     states, walls = {}, {}
@@ -141,7 +151,7 @@ def evaluate_request(
                 probe_s[spec.anchor] = time.perf_counter() - t0
             extra = probe_s[spec.anchor]
         t0 = time.perf_counter()
-        states[v] = ref.prefill(segs, v)
+        states[v] = ref.prefill(segs, v, given.get(v))
         walls[v] = time.perf_counter() - t0 + extra
     answers: dict[str, str] = {}
     if max_tokens > 0:
@@ -307,11 +317,25 @@ def cmd_fidelity_ref(args: argparse.Namespace) -> int:
             raise SystemExit(f"bench fidelity-ref: unknown dataset {d!r}; accepted: {DATASETS}")
     if args.questions < 1:
         raise SystemExit("bench fidelity-ref: --questions must be >= 1")
+    from ascend_mepic.eval.bench import fidelity_pool
+    from ascend_mepic.eval.policy_reference import SEQUENCE_ANCHORS, is_variant, parse_variant
+
+    stateful = [v for v in variants if is_variant(v) and parse_variant(v).anchor in
+                SEQUENCE_ANCHORS]  # fmt: skip
+    if stateful and not args.openings and not args.from_jsonl:
+        raise SystemExit(f"bench fidelity-ref: {stateful[0]} needs a sequence (--openings)")
     if args.from_jsonl:
         records = _load_records(Path(args.from_jsonl))
         if not records:
             raise SystemExit(f"bench fidelity-ref: no records in {args.from_jsonl}")
+        if "scenario" in records[0]:
+            return fidelity_pool.report(args, records, variants, model_path=None)
         return _report(args, records, variants, model_path=None)
+    if args.openings:
+        bad = [d for d in args.datasets if d not in ("squad", "multidoc")]
+        if bad:
+            raise SystemExit(f"bench fidelity-ref: --openings serves squad, multidoc: not {bad[0]}")
+        return fidelity_pool.run(args, variants)
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -427,7 +451,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", type=int, default=200, help="requests per dataset")
     p.add_argument("--chunks", type=int, default=4, help="paragraphs per request (squad, hotpot)")
     p.add_argument("--docs", type=int, default=6, help="documents per request (multidoc)")
-    p.add_argument("--articles", type=int, help="squad: a hot set of this many articles (all)")
+    p.add_argument("--articles", type=int, help="squad: a hot set of this many articles (all; "
+                   "with --openings 8)")  # fmt: skip
+    p.add_argument(
+        "--openings", nargs="+", choices=["one", "apps", "chat"],
+        help="shared-pool mode: documents shared by requests whose openings differ (one system "
+        "prompt; 4 apps; a chat turn per request); adds compiles and copies per document, and "
+        "the variants anchor=first and anchor=auto",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=16, help="greedy answer tokens (0: no F1)")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
