@@ -32,6 +32,7 @@ def capture(job: dict, folder) -> tuple[list, list[int]]:
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.setsockopt(zmq.RECONNECT_IVL, 10)  # retry the not-yet-bound endpoint every 10 ms
     # A local socket (vLLM's publisher binds an ipc:// endpoint; it connects to a tcp:// one
     # without a wildcard): nothing leaves the machine. Connected before the engine binds it.
     folder.mkdir()
@@ -88,9 +89,13 @@ def test_chunk_residency_is_published_to_a_zmq_subscriber(tmp_path):
         "batches": [[encode(warm)], [encode(warm)], [encode(a)], [encode(b)], [encode(a)]],
         "reset_before": [4],
     }
-    events, seqs = capture(job, tmp_path / "1")
-    if not events:  # ZMQ PUB/SUB delivers nothing it guarantees: once, in make test, nothing
-        events, seqs = capture(job, tmp_path / "2")  # at all arrived; the content is checked
+    # The checked batches are the third on (sequence numbers from 2). A subscriber may still miss
+    # more than the two plain batches (in a fresh clone's make test on a fast 2-core VM, once
+    # everything and once the first three): then the job runs again on a fresh endpoint.
+    for attempt in range(3):
+        events, seqs = capture(job, tmp_path / str(attempt))
+        if seqs and seqs[0] <= 2:
+            break
     assert seqs == sorted(seqs)
     stored = [e for e in events if is_chunk(e)]
     chunk_hashes = {h for e in stored for h in e.block_hashes}
