@@ -11,11 +11,9 @@ from vllm.v1.request import RequestStatus
 from ascend_mepic.config import MepicConfig
 from ascend_mepic.core.anchors import AnchorChooser
 from ascend_mepic.core.kv_manager import MepicKVCacheManager
-from ascend_mepic.core.kv_settings import KVSettings
 from ascend_mepic.core.segments import Segment
-from ascend_mepic.eval.kvsim import SIM_MODEL, build_manager, kv_cache_config, make_request
-from ascend_mepic.vllm_integration.core_types import sha256_cbor
-from tests.core.test_kv_manager import canonical_ids
+from ascend_mepic.eval.kvsim import make_request
+from tests.core.test_kv_manager import canonical_ids, mepic_manager
 
 B = 16
 DOCS = [Segment.chunk(range(1000 * d, 1000 * d + 50)) for d in range(6)]
@@ -34,17 +32,7 @@ def manager(anchor: str) -> MepicKVCacheManager:
     policy = MepicConfig.from_options({}).parsed_policy
     if anchor != "default":
         policy = dataclasses.replace(policy, anchor=anchor)
-    m = build_manager("mepic", 8, B)  # hashing set up as kvsim does
-    return MepicKVCacheManager(
-        kv_cache_config(1024, B),
-        hash_fn=sha256_cbor,
-        model_fingerprint=SIM_MODEL,
-        enable_caching=True,
-        settings=KVSettings(policy=policy),
-        max_model_len=m.max_model_len,
-        scheduler_block_size=B,
-        hash_block_size=B,
-    )
+    return mepic_manager(1024, policy=policy)
 
 
 def serve(anchor: str, scenario: str) -> tuple[int, int, int, dict]:

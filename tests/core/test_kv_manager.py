@@ -506,10 +506,11 @@ def test_server_precheck_accepts_and_rejects_what_the_engine_does():
 
 
 def mepic_manager(
-    num_blocks: int = 128, anchor: bool = True, events: bool = False
+    num_blocks: int = 128, anchor: bool = True, events: bool = False, policy=None
 ) -> MepicKVCacheManager:
     """A ``mepic`` manager built as kvsim builds it; ``anchor``: its compiles run after the
-    request's prefix (``chunk_anchor``, up to 20 tokens); ``events``: vLLM's KV events on."""
+    request's prefix (``chunk_anchor``, up to 20 tokens); ``events``: vLLM's KV events on;
+    ``policy``: this one instead."""
     import dataclasses
 
     from ascend_mepic.core.kv_settings import KVSettings
@@ -517,9 +518,10 @@ def mepic_manager(
     from ascend_mepic.eval.kvsim import SIM_MODEL, kv_cache_config
     from ascend_mepic.vllm_integration.core_types import sha256_cbor
 
-    policy = parse_policy("mepic")
-    if anchor:
-        policy = dataclasses.replace(policy, anchor="prefix", anchor_max_tokens=20)
+    if policy is None:
+        policy = parse_policy("mepic")
+        if anchor:
+            policy = dataclasses.replace(policy, anchor="prefix", anchor_max_tokens=20)
     m = build_manager("mepic", 8, B)  # hashing set up as kvsim does
     return MepicKVCacheManager(
         kv_cache_config(num_blocks, B),
