@@ -91,6 +91,7 @@ from ascend_mepic.eval.reference_math import (  # noqa: F401 (re-exported)
     _request_tokens,
     _top,
     cachetune_scores,
+    opening,
     rope_inv_freq,
 )
 
@@ -460,12 +461,7 @@ class PolicyReference:
             if self.fixed_anchor is None:
                 raise ValueError("anchor=fixed needs fixed_anchor (the anchor's token ids)")
             return self.fixed_anchor
-        lead: list[int] = []
-        for seg in segments:
-            if seg.kind is SegmentKind.CHUNK:
-                break
-            lead += seg.token_ids
-        return tuple(lead)
+        return opening(segments)
 
     def canonical_parts(
         self, segments: Sequence[Segment], policy: str

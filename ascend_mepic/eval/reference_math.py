@@ -93,6 +93,16 @@ def _request_tokens(segments: Sequence[Segment]) -> torch.Tensor:
     return torch.tensor([t for s in segments for t in s.token_ids])
 
 
+def opening(segments: Sequence[Segment]) -> tuple[int, ...]:
+    """The tokens before the request's first chunk (what ``anchor=prefix`` compiles after)."""
+    out: list[int] = []
+    for seg in segments:
+        if seg.kind is SegmentKind.CHUNK:
+            break
+        out += seg.token_ids
+    return tuple(out)
+
+
 def _top(scores: torch.Tensor, count: int) -> torch.Tensor:
     """Indices of the ``count`` highest scores, ties to the lower index (stable sort)."""
     order = torch.sort(-scores.double(), stable=True).indices

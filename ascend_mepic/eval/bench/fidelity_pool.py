@@ -45,6 +45,7 @@ from typing import Any
 
 from ascend_mepic.core.segments import Segment, SegmentKind
 from ascend_mepic.entrypoints.streams import data_stream, log
+from ascend_mepic.eval.reference_math import opening
 
 OPENINGS = ("one", "apps", "chat")
 ANCHOR_MAX_TOKENS = 256  # the engine's DEFAULT_ANCHOR_MAX_TOKENS
@@ -66,16 +67,6 @@ APP_SYSTEMS = (
 def _digest(tokens: Sequence[int]) -> str:
     """A short stable hash of token ids (records hold identities, not the tokens)."""
     return hashlib.sha1(",".join(map(str, tokens)).encode()).hexdigest()[:16] if tokens else ""
-
-
-def opening(segments: Sequence[Segment]) -> tuple[int, ...]:
-    """The tokens before the request's first chunk (what ``anchor=prefix`` compiles after)."""
-    out: list[int] = []
-    for seg in segments:
-        if seg.kind is SegmentKind.CHUNK:
-            break
-        out += seg.token_ids
-    return tuple(out)
 
 
 # -- requests -------------------------------------------------------------------------------
